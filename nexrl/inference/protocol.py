@@ -1,0 +1,96 @@
+"""The inference-side process boundary (AReaL-lite's InferenceEngine shape).
+
+An engine takes token ids in and gives token ids out, with the logprob of
+every sampled token and the weight version that sampled it. Strings exist only
+at the edges (the OpenAI server, reward functions); nothing between rollout
+and training re-tokenizes.
+
+Implementations: the built-in engine in this process, and remote engines over
+HTTP (nexrl's server, vLLM, SGLang). Both satisfy `InferenceEngine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt, `sampling.n` samples. `rid` identifies it for abort."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationOutput:
+    """One sample. `output_versions[i]` is the weight version that sampled token i."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str = ""
+
+
+@dataclass
+class GenerationResponse:
+    input_ids: list[int]
+    outputs: list[GenerationOutput]
+    rid: str | None = None
+
+
+@dataclass
+class WeightUpdateMeta:
+    """Where new weights come from: a safetensors/HF directory, or a state dict in memory."""
+
+    version: int
+    path: str | None = None
+    state_dict: dict[str, Any] | None = None
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What rollout code needs from an inference engine."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse: ...
+
+    def generate(self, request: GenerationRequest) -> GenerationResponse:
+        """Blocking form of `agenerate`, callable from any thread."""
+        ...
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None: ...
+
+    def pause(self) -> None:
+        """Stop scheduling decode steps; running requests keep their state."""
+        ...
+
+    def resume(self) -> None: ...
+
+    def abort(self, rid: str | None = None) -> None:
+        """Finish running requests (all, or `rid`) now with finish_reason 'abort'."""
+        ...
+
+    def health(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

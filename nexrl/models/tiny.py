@@ -1,0 +1,89 @@
+"""The embedded default model: a tiny Qwen2 with a character-level tokenizer.
+
+Nothing is downloaded. The model is built from `Qwen2Config` with a fixed seed,
+saved in Hugging Face format under the nexrl cache, and from then on loaded
+with `from_pretrained` like any other checkpoint. One character is one token,
+so a rollout's token ids map one-to-one onto its text.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+from filelock import FileLock
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+CHARS = string.printable[:95]  # digits, letters, punctuation, space
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NEXRL_HOME", Path.home() / ".cache" / "nexrl"))
+
+
+def build_char_tokenizer(path: str | os.PathLike):
+    """Write a character-level `PreTrainedTokenizerFast` to `path` and return it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS, "\n", "\t"])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    return tok
+
+
+def build_tiny_qwen2(
+    path: str | os.PathLike,
+    hidden_size: int = 128,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_positions: int = 256,
+    seed: int = 0,
+) -> Path:
+    """Build (once) a randomly initialised Qwen2 with the char tokenizer at `path`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "config.json").exists():
+            return path
+        tok = build_char_tokenizer(path)
+        config = Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def default_model_path() -> Path:
+    """Path of the embedded default model, built on first use."""
+    return build_tiny_qwen2(cache_dir() / "models" / "tiny-qwen2-char")

@@ -1,0 +1,169 @@
+"""Core data types shared by every nexrl module.
+
+`Trajectory` is a plain dict so that user rollout code can add any key it
+likes; the keys nexrl itself reads are listed in `TRAJECTORY_KEYS`.
+
+`Batch` carries either per-trajectory lists (as it leaves the trajectory pool)
+or padded token-level tensors (as it leaves the algorithm processor). The
+token-level layout every trainer understands is:
+
+    input_ids          (B, T) long   prompt + response, right padded
+    attention_mask     (B, T) long   1 on real tokens
+    loss_mask          (B, T) float  1 on tokens the policy produced
+    advantages         (B, T) float
+    behavior_logprobs  (B, T) float  engine logprob of each token (0 off-mask)
+    old_logprobs       (B, T) float  trainer logprob before the update
+    ref_logprobs       (B, T) float  optional, reference model
+
+Per-token tensors are aligned with `input_ids`: entry `t` belongs to token
+`t`, and its logprob is `log p(input_ids[t] | input_ids[:t])` (0 at t = 0).
+Keeping every tensor the same shape makes packing, multi-turn masks and
+padding removal one operation instead of three.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+ModelTag = str
+Trajectory = dict[str, Any]
+
+DEFAULT_MODEL_TAG: ModelTag = "default"
+
+TRAJECTORY_KEYS = (
+    "uid",
+    "prompt_ids",
+    "response_ids",
+    "response_logprobs",
+    "loss_mask",
+    "reward",
+    "finish_reason",
+    "model_tag",
+    "model_version",
+)
+
+
+class NexRLRole(Enum):
+    """Roles a module can play; the Ray resource manager maps roles to actors."""
+
+    ROLLOUT_WORKER = "rollout_worker"
+    TRAIN_WORKER = "train_worker"
+    ALGORITHM_PROCESSOR = "algorithm_processor"
+    TRAJECTORY_POOL = "trajectory_pool"
+    TRAIN_BATCH_POOL = "train_batch_pool"
+    WEIGHT_SYNC_CONTROLLER = "weight_sync_controller"
+    DATA_LOADER = "data_loader"
+    VALIDATE_DATALOADER = "validate_dataloader"
+    VALIDATOR = "validator"
+
+
+@dataclass
+class Batch:
+    """A batch of samples: `values` has one entry per sample in each field."""
+
+    values: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if "batch_size" not in self.metadata:
+            self.metadata["batch_size"] = _infer_batch_size(self.values)
+
+    def __len__(self) -> int:
+        return int(self.metadata["batch_size"])
+
+    def copy(self) -> Batch:
+        return Batch(values=copy.deepcopy(self.values), metadata=copy.deepcopy(self.metadata))
+
+    def to_dict(self) -> dict[str, Any]:
+        """One flat dict; metadata keys win over value keys of the same name."""
+        return {**self.values, **self.metadata}
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory], **metadata: Any) -> Batch:
+        keys: list[str] = []
+        for traj in trajectories:
+            keys.extend(k for k in traj if k not in keys)
+        values = {k: [traj.get(k) for traj in trajectories] for k in keys}
+        return cls(values=values, metadata={"batch_size": len(trajectories), **metadata})
+
+    def to_trajectories(self) -> list[Trajectory]:
+        return [{k: v[i] for k, v in self.values.items()} for i in range(len(self))]
+
+    def select(self, indices: list[int]) -> Batch:
+        """A new batch with the samples at `indices` (tensors and lists alike)."""
+        values: dict[str, Any] = {}
+        for k, v in self.values.items():
+            if isinstance(v, torch.Tensor):
+                values[k] = v[torch.as_tensor(indices, dtype=torch.long)]
+            else:
+                values[k] = [v[i] for i in indices]
+        return Batch(values, {**copy.deepcopy(self.metadata), "batch_size": len(indices)})
+
+    @staticmethod
+    def remove_redundant_left_padding(
+        data: Batch,
+        pad_token_id: int,
+        fields: list[str] | None = None,
+        anchor_field: str = "input_ids",
+        max_strip_threshold: int | None = None,
+    ) -> Batch:
+        """Drop leading columns that are padding in every row of `anchor_field`."""
+        anchor = data.values[anchor_field]
+        n = _common_pad_run(anchor, pad_token_id, from_left=True, cap=max_strip_threshold)
+        return _strip(data, n, fields, anchor_field, from_left=True)
+
+    @staticmethod
+    def remove_redundant_right_padding(
+        data: Batch,
+        pad_token_id: int,
+        fields: list[str] | None = None,
+        anchor_field: str = "input_ids",
+        max_strip_threshold: int | None = None,
+    ) -> Batch:
+        """Drop trailing columns that are padding in every row of `anchor_field`."""
+        anchor = data.values[anchor_field]
+        n = _common_pad_run(anchor, pad_token_id, from_left=False, cap=max_strip_threshold)
+        return _strip(data, n, fields, anchor_field, from_left=False)
+
+    def to_nextrainer_batch(self) -> dict[str, Any]:
+        """Split into tensor values, non-tensor values and metadata."""
+        tensors = {k: v for k, v in self.values.items() if isinstance(v, torch.Tensor)}
+        others = {k: v for k, v in self.values.items() if not isinstance(v, torch.Tensor)}
+        return {"batch": tensors, "non_tensor_batch": others, "meta_info": dict(self.metadata)}
+
+
+def _infer_batch_size(values: dict[str, Any]) -> int:
+    for v in values.values():
+        if isinstance(v, torch.Tensor):
+            return int(v.shape[0])
+        if isinstance(v, list | tuple):
+            return len(v)
+    return 0
+
+
+def _common_pad_run(anchor: torch.Tensor, pad: int, from_left: bool, cap: int | None) -> int:
+    """Number of columns at one end that are `pad` in every row."""
+    is_pad_col = (anchor == pad).all(dim=0)  # (T,)
+    if not from_left:
+        is_pad_col = is_pad_col.flip(0)
+    not_pad = (~is_pad_col).nonzero()
+    n = int(not_pad[0]) if len(not_pad) else anchor.shape[1]
+    return min(n, cap) if cap is not None else n
+
+
+def _strip(
+    data: Batch, n: int, fields: list[str] | None, anchor_field: str, from_left: bool
+) -> Batch:
+    out = data.copy()
+    if n == 0:
+        return out
+    names = fields if fields is not None else [anchor_field]
+    for name in names:
+        t = out.values[name]
+        out.values[name] = t[:, n:] if from_left else t[:, : t.shape[1] - n]
+    return out
