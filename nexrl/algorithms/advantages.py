@@ -2,7 +2,16 @@
 
 Each estimator takes `rewards` (N,), `group_index` (N,) (samples of one prompt
 share an index) and `response_mask` (N, T), and returns (N, T) advantages that
-are zero off the mask.
+are zero off the mask. Outcome rewards are broadcast over the response tokens:
+with one reward per sample and no discount, the return of every token is the
+reward, so no critic and no per-token bookkeeping is needed.
+
+REINFORCE++ also accepts token-level rewards (N, T), which is what a per-token
+KL reward penalty (`kl.apply_kl_penalty`) produces; its returns are then the
+(discounted) reverse cumulative sums over the response tokens.
+
+Estimators take only the keyword arguments they use: config passes its keys
+straight through, and a misspelt key must raise instead of being ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +24,12 @@ ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 
 
 def group_stats(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-sample mean, std (unbiased, 0 for singletons) and size of its group."""
+    """Per-sample mean, std (unbiased, 0 for singletons) and size of its group, each (N,)."""
+    if rewards.shape != group_index.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} "
+            "must both be (N,)"
+        )
     _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
     mean = (sums / counts)[inverse]
@@ -30,9 +44,103 @@ def grpo(
     group_index: torch.Tensor,  # (N,)
     response_mask: torch.Tensor,  # (N, T)
     eps: float = 1e-6,
-    **_: object,
 ) -> torch.Tensor:
-    """(r - mean_group) / (std_group + eps), broadcast over response tokens."""
+    """(r - mean_group) / (std_group + eps), broadcast over response tokens. (N, T)"""
     mean, std, _ = group_stats(rewards, group_index)
     scores = (rewards - mean) / (std + eps)
     return scores[:, None] * response_mask
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo(
+    rewards: torch.Tensor,  # (N,)
+    group_index: torch.Tensor,  # (N,)
+    response_mask: torch.Tensor,  # (N, T)
+) -> torch.Tensor:
+    """r - mean_group: GRPO without the std division (Dr.GRPO). (N, T)"""
+    mean, _, _ = group_stats(rewards, group_index)
+    return (rewards - mean)[:, None] * response_mask
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(
+    rewards: torch.Tensor,  # (N,)
+    group_index: torch.Tensor,  # (N,)
+    response_mask: torch.Tensor,  # (N, T)
+) -> torch.Tensor:
+    """r - mean of the *other* samples of the group; 0 for a group of one. (N, T)
+
+    Equal to n / (n - 1) * (r - mean_group) for a group of n.
+    """
+    mean, _, counts = group_stats(rewards, group_index)
+    n = counts.to(rewards.dtype)
+    scores = torch.where(counts > 1, (rewards - mean) * n / (n - 1).clamp(min=1), 0.0)
+    return scores[:, None] * response_mask
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+def reinforce_plus_plus(
+    rewards: torch.Tensor,  # (N,) or (N, T)
+    group_index: torch.Tensor,  # (N,)
+    response_mask: torch.Tensor,  # (N, T)
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Returns-to-go whitened over every response token of the batch (REINFORCE++). (N, T)"""
+    returns = _returns(rewards, response_mask, gamma)
+    return _whiten(returns, response_mask, eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(
+    rewards: torch.Tensor,  # (N,) or (N, T)
+    group_index: torch.Tensor,  # (N,)
+    response_mask: torch.Tensor,  # (N, T)
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the group-mean total reward, then whiten the batch. (N, T)
+
+    The baseline of a sample is the mean over its group of the summed
+    (undiscounted) rewards; it is subtracted from the return of every token.
+    """
+    mask = response_mask.to(rewards.dtype)
+    totals = rewards if rewards.dim() == 1 else (rewards * mask).sum(-1)
+    baseline, _, _ = group_stats(totals, group_index)
+    returns = _returns(rewards, response_mask, gamma) - baseline[:, None] * mask
+    return _whiten(returns, response_mask, eps)
+
+
+def _returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reverse (discounted) cumsum over response tokens; (N,) rewards sit on the last one."""
+    mask = response_mask.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    if rewards.dim() == 1:
+        token_rewards = torch.zeros_like(mask)
+        has_tokens = mask.sum(-1) > 0
+        last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # (N,) index of last response token
+        rows = torch.arange(len(rewards))[has_tokens]
+        token_rewards[rows, last[has_tokens]] = rewards[has_tokens].to(mask.dtype)
+    elif rewards.shape == mask.shape:
+        token_rewards = rewards * mask
+    else:
+        raise ValueError(
+            f"rewards must be (N,) or (N, T) = {tuple(mask.shape)}, got {tuple(rewards.shape)}"
+        )
+    if gamma == 1.0:
+        return token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(mask.shape[0], dtype=mask.dtype)
+    for t in reversed(range(mask.shape[1])):
+        # Tokens off the mask (prompt, tool output) neither add reward nor discount.
+        running = torch.where(mask[:, t] > 0, token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = running
+    return returns * mask
+
+
+def _whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries of the whole batch; 0 off-mask."""
+    mask = mask.to(values.dtype)
+    n = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / n
+    var = (((values - mean) * mask) ** 2).sum() / n
+    return (values - mean) * torch.rsqrt(var + eps) * mask

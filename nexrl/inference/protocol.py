@@ -27,6 +27,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's name: EOS does not end a sample (benchmarks)
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""Reward functions: plain `reward(prompt, completion, **row) -> float`.
+
+`REWARD_FUNCTIONS` is the explicit registry; `get_reward_fn` also accepts an
+import path "pkg.module:function" for user code. `row` is the dataset row
+(e.g. `answer`), so a reward needs no framework object. A reward that raises
+is NOT turned into 0 here: the exception propagates and the rollout worker
+reports and counts it (a silent 0 would look like a learnable signal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nexrl.data import import_object
+
+RewardFn = Callable[..., float]
+
+
+def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> float:
+    """Per-position partial credit for the shift-letters task.
+
+    score = #(i: completion[i] == answer[i]) / max(len(answer), len(completion)),
+    with `completion` stripped of surrounding whitespace. Dividing by the longer
+    length penalises rambling: "bcde" -> 1.0, "bcdx" -> 0.75, "bcdexxxx" -> 0.5.
+    """
+    text = completion.strip()
+    answer = str(answer)
+    denom = max(len(answer), len(text))
+    if denom == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(text, answer, strict=False)) / denom
+
+
+def exact_match(prompt: str, completion: str, answer: str, **row: Any) -> float:
+    """1.0 if the stripped completion equals the stripped answer, else 0.0."""
+    return float(completion.strip() == str(answer).strip())
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "shift_letters": shift_letters,
+    "exact_match": exact_match,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """A registered reward by name, or a function given as "pkg.module:function"."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    if ":" in name:
+        fn = import_object(name)
+        if not callable(fn):
+            raise ValueError(f"reward function {name!r} is not callable")
+        return fn
+    raise ValueError(
+        f"unknown reward function {name!r}; valid choices: "
+        f"{', '.join(REWARD_FUNCTIONS)} or 'pkg.module:function'"
+    )
+
+
+__all__ = ["REWARD_FUNCTIONS", "RewardFn", "exact_match", "get_reward_fn", "shift_letters"]

@@ -29,7 +29,9 @@ class TrainEngine(Protocol):
         """(B, T) logprob of each token of `input_ids` under the current weights."""
         ...
 
-    def train_batch(self, batch: Batch, loss_fn: str, loss_kwargs: dict[str, Any]) -> dict[str, float]:
+    def train_batch(
+        self, batch: Batch, loss_fn: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]:
         """One optimizer step on `batch` with the registered loss `loss_fn`."""
         ...
 

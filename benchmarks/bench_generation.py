@@ -1,0 +1,270 @@
+"""Generation throughput: nexrl's engine vs `transformers` `model.generate`, and HTTP overhead.
+
+For each model and concurrency c, both sides generate exactly `max_tokens` tokens (EOS
+ignored) for the same c prompts, `waves` times:
+
+- HF: one `model.generate` call on the c prompts as a left-padded batch (static batching,
+  the strongest way to use `generate`);
+- engine: the c requests submitted at once; continuous batching does the rest.
+
+Then the tiny model through HTTP (`nexrl serve` in a subprocess, 64 concurrent clients)
+vs the same 64 requests in-process. Ratios compare numbers measured in the same run.
+
+    python benchmarks/bench_generation.py [--quick] [--threads 1] [--out benchmarks/results]
+
+The last line is `speedup_vs_hf_at_64: X` (default tiny model, concurrency 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nexrl.inference.engine import Engine
+from nexrl.inference.protocol import GenerationRequest, SamplingParams
+from nexrl.models.tiny import CHARS, build_tiny_qwen2, default_model_path
+
+
+def prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    texts = ["".join(rng.choices(CHARS, k=rng.randint(16, 32))) for _ in range(count)]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@torch.inference_mode()
+def hf_tokens_per_s(model, tokenizer, batch: list[list[int]], max_tokens: int, waves: int) -> float:
+    import copy
+
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.eos_token_id = None  # exactly max_tokens per row, like the engine's ignore_eos
+    width = max(map(len, batch))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = (
+        torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch])[:, None]
+    ).long()
+    start, total = time.perf_counter(), 0
+    for _ in range(waves):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            generation_config=cfg,
+            max_new_tokens=max_tokens,
+            min_new_tokens=0,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=pad,
+        )
+        total += (out.shape[1] - width) * len(batch)
+    return total / (time.perf_counter() - start)
+
+
+def engine_tokens_per_s(
+    engine: Engine, batch: list[list[int]], max_tokens: int, waves: int
+) -> float:
+    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    start, total = time.perf_counter(), 0
+    for _ in range(waves):
+        futs = [engine.submit(GenerationRequest(list(p), params)) for p in batch]
+        total += sum(len(f.result().outputs[0].output_ids) for f in futs)
+    return total / (time.perf_counter() - start)
+
+
+def compare(
+    path: Path, label: str, concurrencies, max_tokens: int, rows: list[dict], repeats: int
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = Engine(path, max_batch_size=max(concurrencies), max_model_len=64 + max_tokens)
+    try:
+        engine_tokens_per_s(engine, prompts(tok, 4, 99), 4, 1)  # warm-up
+        for c in concurrencies:
+            batch = prompts(tok, c, seed=c)
+            waves = 3 if c == 1 else 1
+            hf = ours = 0.0
+            for _ in range(repeats):  # interleaved, best of `repeats`: the CPU is shared
+                hf = max(hf, hf_tokens_per_s(model, tok, batch, max_tokens, waves))
+                ours = max(ours, engine_tokens_per_s(engine, batch, max_tokens, waves))
+            rows.append(dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf))
+            print(
+                f"{label:>10} c={c:<4} hf {hf:9.0f} tok/s   engine {ours:9.0f} tok/s   "
+                f"x{ours / hf:5.2f}",
+                flush=True,
+            )
+    finally:
+        engine.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _http_run(url: str, batch: list[list[int]], max_tokens: int, waves: int) -> float:
+    """Tokens/s of `waves` rounds of len(batch) concurrent requests (after a warm-up round).
+
+    aiohttp (installed with ray[default]) as the client: httpx's async client costs several
+    ms per request on this CPU and would measure the client, not the server.
+    """
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=len(batch))
+    async with aiohttp.ClientSession(url, connector=connector) as session:
+
+        async def one(p: list[int], n_tokens: int) -> int:
+            body = {"model": "default", "prompt": p, "max_tokens": n_tokens, "ignore_eos": True}
+            async with session.post("/v1/completions", json=body) as r:
+                r.raise_for_status()
+                return len((await r.json())["choices"][0]["token_ids"])
+
+        await asyncio.gather(*(one(p, 2) for p in batch))  # open the connections
+        start, total = time.perf_counter(), 0
+        for _ in range(waves):
+            total += sum(await asyncio.gather(*(one(p, max_tokens) for p in batch)))
+        return total / (time.perf_counter() - start)
+
+
+def http_vs_inprocess(
+    path: Path, threads: int, max_tokens: int, waves: int, repeats: int
+) -> tuple[float, float]:
+    """Tokens/s of 64 concurrent HTTP clients vs the same requests in-process."""
+    from transformers import AutoTokenizer
+
+    batch = prompts(AutoTokenizer.from_pretrained(str(path)), 64, seed=64)
+    engine = Engine(path, max_batch_size=64, max_model_len=64 + max_tokens)
+    engine_tokens_per_s(engine, batch[:4], 4, 1)
+    local = max(engine_tokens_per_s(engine, batch, max_tokens, waves) for _ in range(repeats))
+    engine.shutdown()
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "nexrl.inference.serve",
+        "--model",
+        str(path),
+        "--port",
+        str(port),
+        "--max-batch",
+        "64",
+        "--max-model-len",
+        str(64 + max_tokens),
+        "--threads",
+        str(threads),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for(url)
+        remote = max(asyncio.run(_http_run(url, batch, max_tokens, waves)) for _ in range(repeats))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return local, remote
+
+
+def _wait_for(url: str, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {url} did not come up in {timeout}s")
+
+
+def write_results(out: Path, rows: list[dict], http: tuple[float, float], meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Generation benchmark",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}  ",
+        f"Load average before / after: {meta['load_before']} / {meta['load_after']}  ",
+        f"torch threads: {meta['threads']}, max_tokens: {meta['max_tokens']}, "
+        f"best of {meta['repeats']} interleaved repeats per cell",
+        "",
+        "| model | concurrency | HF generate tok/s | engine tok/s | speedup |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['concurrency']} | {r['hf']:.0f} | {r['engine']:.0f} | "
+            f"{r['speedup']:.2f} |"
+        )
+    local, remote = http
+    lines += [
+        "",
+        f"HTTP, 64 concurrent clients: {remote:.0f} tok/s vs in-process {local:.0f} tok/s "
+        f"(ratio {remote / local:.2f})",
+        "",
+    ]
+    name = "generation_quick" if meta["quick"] else "generation"
+    (out / f"{name}.md").write_text("\n".join(lines))
+    payload = {"rows": rows, "http_tok_s": remote, "inprocess_tok_s": local, **meta}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, under 2 minutes")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--repeats", type=int, default=None, help="best of N (default 3, quick 2)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    max_tokens = 32 if args.quick else 64
+    repeats = args.repeats or (2 if args.quick else 3)
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        mid = build_tiny_qwen2(
+            Path(tmp) / "qwen2-30m",
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=2048,
+        )
+        compare(default_model_path(), "tiny-1M", (1, 16, 64, 256), max_tokens, rows, repeats)
+        mid_conc = (1, 16, 64) if args.quick else (1, 16, 64, 256)
+        compare(mid, "qwen2-30M", mid_conc, 16 if args.quick else max_tokens, rows, repeats)
+        http = http_vs_inprocess(
+            default_model_path(), args.threads, 128, 2 if args.quick else 3, repeats
+        )
+    meta = dict(
+        command="python benchmarks/bench_generation.py" + (" --quick" if args.quick else ""),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        load_before=load_before,
+        load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+        threads=args.threads,
+        max_tokens=max_tokens,
+        quick=args.quick,
+    )
+    write_results(Path(args.out), rows, http, meta)
+    print(f"http_vs_inprocess_at_64: {http[1] / http[0]:.2f}")
+    at64 = next(r for r in rows if r["model"] == "tiny-1M" and r["concurrency"] == 64)
+    print(f"speedup_vs_hf_at_64: {at64['speedup']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Train tokens/s of `TorchTrainEngine` vs a bare torch loop, same model and batch, one run.
+
+The bare loop is the floor of any trainer: forward, masked token-mean policy-gradient
+loss, backward, AdamW step (no clipping, no metrics, no micro-batching). The engine
+runs `train_batch` with the PPO-clip loss through `compute_loss`, so the ratio is the
+price of everything the engine adds. The two are interleaved round by round so that
+load from other processes on a shared machine hits both alike.
+
+    python benchmarks/bench_training.py [--batch 16 --seq 128 --rounds 5 --steps 3]
+
+Last line: `engine_vs_bare_loop: X` (engine tokens/s / bare tokens/s; target >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from nexrl.models.tiny import build_tiny_qwen2
+from nexrl.training.synthetic import random_batch
+from nexrl.training.torch_engine import TorchTrainEngine
+from nexrl.types import Batch
+
+PPO = {"clip_low": 0.2, "clip_high": 0.28}
+
+
+def bare_step(model, opt, ids, att, mask, adv) -> None:
+    logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(lp * adv[:, 1:] * mask[:, 1:]).sum() / mask.sum().clamp(min=1)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def full_batch(n: int, t: int) -> Batch:
+    """Every row of full length: padding gives neither side an advantage."""
+    batch = random_batch(n, t, seed=0)
+    g = torch.Generator().manual_seed(1)
+    batch.values["input_ids"] = torch.randint(3, 97, (n, t), generator=g)
+    batch.values["attention_mask"] = torch.ones(n, t, dtype=torch.long)
+    batch.values["loss_mask"] = torch.zeros(n, t)
+    batch.values["loss_mask"][:, t // 4 :] = 1
+    batch.values["advantages"] = torch.randn(n, 1, generator=g) * batch.values["loss_mask"]
+    batch.values["old_logprobs"] = torch.zeros(n, t)
+    return batch
+
+
+def timed(fn, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    path = build_tiny_qwen2(
+        tempfile.mkdtemp() + "/m",
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        intermediate_size=2 * args.hidden,
+    )
+    batch = full_batch(args.batch, args.seq)
+    engine = TorchTrainEngine(
+        {"micro_batch_tokens": args.batch * args.seq, "grad_clip": 1.0}, str(path)
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(engine.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    v = {k: t.to(engine.device) for k, t in batch.values.items()}
+
+    def run_engine():
+        engine.train_batch(batch, "ppo_clip", PPO)
+
+    def run_bare():
+        bare_step(model, opt, v["input_ids"], v["attention_mask"], v["loss_mask"], v["advantages"])
+
+    timed(run_engine, 1), timed(run_bare, 1)  # warm up
+    t_engine = t_bare = 0.0
+    for _ in range(args.rounds):
+        t_engine += timed(run_engine, args.steps)
+        t_bare += timed(run_bare, args.steps)
+    tokens = args.batch * args.seq * args.steps * args.rounds
+    print(
+        f"device: {engine.device}  threads: {args.threads}  model: hidden {args.hidden} x "
+        f"{args.layers} layers  batch: {args.batch} x {args.seq}"
+    )
+    print(f"engine_tokens_per_s: {tokens / t_engine:.1f}")
+    print(f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}")
+    print(f"engine_vs_bare_loop: {t_bare / t_engine:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Algorithm processors: trajectory batches in, train-ready tensor batches out.
+
+The processor is where algorithm logic lives (STYLE 3): it turns a pool batch
+of whole groups into the token-level layout of `nexrl.types` and computes
+advantages with a named estimator. The train worker then only adds the train
+side's old logprobs and runs the named loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from nexrl.distributed import execute
+from nexrl.module import LoopThread, NexRLModule
+from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, T) tensors: prompt + response, masks and behaviour logprobs."""
+    lengths = [len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajectories]
+    B, T = len(trajectories), max(lengths)
+    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    behavior = torch.zeros((B, T), dtype=torch.float32)
+    for i, traj in enumerate(trajectories):
+        p, r = len(traj["prompt_ids"]), len(traj["response_ids"])
+        input_ids[i, : p + r] = torch.tensor(list(traj["prompt_ids"]) + list(traj["response_ids"]))
+        attention_mask[i, : p + r] = 1
+        loss_mask[i, p : p + r] = torch.tensor(
+            traj.get("loss_mask") or [1] * r, dtype=torch.float32
+        )
+        behavior[i, p : p + r] = torch.tensor(traj["response_logprobs"], dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "behavior_logprobs": behavior,
+    }
+
+
+def group_index(uids: list[Any]) -> torch.Tensor:
+    """(N,) long: samples sharing a uid share an index, in order of first appearance."""
+    seen: dict[Any, int] = {}
+    return torch.tensor([seen.setdefault(u, len(seen)) for u in uids], dtype=torch.long)
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    rewards = [float(t["reward"]) for t in trajectories]
+    lengths = [len(t["response_ids"]) for t in trajectories]
+    return {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "response_length/mean": statistics.fmean(lengths),
+        "response/truncated_frac": statistics.fmean(
+            t["finish_reason"] == "length" for t in trajectories
+        ),
+    }
+
+
+class BaseAlgorithmProcessor(NexRLModule):
+    """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._config = config
+        self._batch_size = int(config.get("batch_size", 0)) or None
+        self._trajectory_pool: Any = None
+        self._train_batch_pool: Any = None
+        self._loop = LoopThread("algorithm-processor", self._loop_once)
+
+    def set_module_references(self, trajectory_pool: Any, train_batch_pool: Any) -> None:
+        self._trajectory_pool = trajectory_pool
+        self._train_batch_pool = train_batch_pool
+
+    def run(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def health_check(self) -> bool:
+        return self._loop.error is None
+
+    def _loop_once(self) -> bool:
+        batch = self._get_batch(self._batch_size)
+        if batch is None:
+            return False
+        with self._activity_tracker.track(self._module_name, "process batch"):
+            self._fit(batch, "train")
+        return True
+
+    def _get_batch(self, batch_size: int | None = None) -> Batch | None:
+        return execute(self._trajectory_pool.get_batch, batch_size)
+
+    def _put_batch(self, batch: Batch, update_fn: str) -> bool:
+        return execute(self._train_batch_pool.put_batch, batch, update_fn)
+
+    def _fit(self, batch: Batch, update_fn: str) -> None:
+        raise NotImplementedError
+
+
+class GRPOProcessor(BaseAlgorithmProcessor):
+    """Group-relative advantages from scalar rewards (any registered estimator)."""
+
+    def __init__(self, config: Mapping[str, Any], pad_token_id: int) -> None:
+        super().__init__(config)
+        self._pad_token_id = pad_token_id
+        self._estimator = ADVANTAGE_ESTIMATORS.get(config.get("advantage_estimator", "grpo"))
+        self._estimator_kwargs = dict(config.get("advantage_kwargs") or {})
+
+    def _fit(self, batch: Batch, update_fn: str) -> None:
+        trajectories = batch.to_trajectories()
+        values = collate(trajectories, self._pad_token_id)
+        rewards = torch.tensor([float(t["reward"]) for t in trajectories])
+        values["rewards"] = rewards
+        values["advantages"] = self._estimator(
+            rewards,
+            group_index([t["uid"] for t in trajectories]),
+            values["loss_mask"],
+            **self._estimator_kwargs,
+        )
+        metadata = {
+            **batch.metadata,
+            "model_tag": batch.metadata.get("model_tag", DEFAULT_MODEL_TAG),
+            "model_versions": [int(t["model_version"]) for t in trajectories],
+            "min_token_versions": [
+                min(t.get("token_versions") or [t["model_version"]]) for t in trajectories
+            ],
+            "rollout_metrics": rollout_metrics(trajectories),
+            "uids": [t["uid"] for t in trajectories],
+        }
+        self._put_batch(Batch(values, metadata), update_fn)

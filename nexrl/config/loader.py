@@ -1,0 +1,75 @@
+"""Load and validate a run configuration with Hydra's compose API.
+
+The packaged `rl_train.yaml` starts from the structured schema
+(`rl_train_schema`), so Hydra itself rejects unknown keys and wrong types in
+yaml files and command-line overrides. A user config lives in any folder and
+begins with `defaults: [rl_train, _self_]` to inherit the packaged default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from nexrl.config.schema import CHOICES, RLTrainConfig
+
+PACKAGE_CONFIG_DIR = Path(__file__).parent
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key."""
+
+
+def _register_schema() -> None:
+    ConfigStore.instance().store(name="rl_train_schema", node=RLTrainConfig)
+
+
+def load_config(
+    overrides: list[str] | None = None,
+    config_name: str = "rl_train",
+    config_dir: str | Path | None = None,
+) -> DictConfig:
+    """Compose `config_name` from `config_dir` (default: the packaged configs) with overrides."""
+    _register_schema()
+    directory = Path(config_dir).resolve() if config_dir else PACKAGE_CONFIG_DIR
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(directory), version_base=None):
+            cfg = compose(
+                config_name,
+                overrides=[*(overrides or []), "hydra.searchpath=[pkg://nexrl.config]"],
+            )
+    except Exception as exc:  # hydra wraps the useful message in the cause chain
+        raise ConfigError(_explain(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    validate_choices(cfg)
+    return cfg
+
+
+def validate_choices(cfg: DictConfig) -> None:
+    """Fail on a value outside the documented choices, naming key and choices."""
+    for key, choices in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
+    if cfg.trajectory_pool.batch_size % max(cfg.trajectory_pool.group_size, 1):
+        raise ConfigError(
+            f"trajectory_pool.batch_size={cfg.trajectory_pool.batch_size} must be a multiple of "
+            f"trajectory_pool.group_size={cfg.trajectory_pool.group_size}"
+        )
+
+
+def _explain(exc: BaseException) -> str:
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).strip()
+        if text and text not in parts and "$VALUE" not in text:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__
+    return "invalid configuration: " + " | ".join(parts)

@@ -1,0 +1,285 @@
+"""The structured schema of `rl_train.yaml`.
+
+Each section is a dataclass with a docstring under every field, so the schema
+is also the reference (docs/configuration.md is generated from it and a test
+keeps the two in step). `load_config` merges the yaml and the command-line
+overrides into this schema: an unknown key or a value of the wrong type fails
+before anything starts, with a message that names the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING  # noqa: F401  (re-exported for user schemas)
+
+from nexrl.training.config import EngineConfig
+
+
+@dataclass
+class DataConfig:
+    type: str = "hf"
+    """Loader type: `hf` (Hugging Face `datasets`: jsonl / json / parquet / saved dir)."""
+    path: str | None = None
+    """Dataset file or directory; null writes the built-in `task` to the nexrl cache."""
+    task: str = "shift_letters"
+    """Built-in task used when `path` is null."""
+    split: str = "train"
+    """Split to read (`train` or `validation` for the built-in task)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    shuffle: bool = True
+    """Shuffle each epoch."""
+    seed: int = 42
+    """Shuffle seed."""
+    num_epochs: int | None = None
+    """Passes over the data; null cycles forever (training stops at `total_train_steps`)."""
+    max_items: int | None = None
+    """Use only the first `max_items` rows."""
+
+
+@dataclass
+class RolloutWorkerConfig:
+    type: str = "single_turn"
+    """Worker type: `single_turn` (generate, score with `reward_fn`) or `simple`
+    (generate only), or an import path `package.module:Class`."""
+    num_workers: int = 4
+    """Rollout worker threads (local) or actors (Ray); each handles one task at a time."""
+    group_size: int = 8
+    """Samples per prompt (the GRPO group, the `n` of the request)."""
+    reward_fn: str = "shift_letters"
+    """Reward function name from the registry, or `package.module:function`."""
+    max_tokens: int = 8
+    """Maximum new tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    max_task_retries: int = 2
+    """A task whose rollout raised is put back this many times, then counted as failed."""
+
+
+@dataclass
+class TrajectoryPoolConfig:
+    type: str = "default"
+    """Pool type."""
+    batch_size: int = 128
+    """Trajectories per batch (prompts x group_size)."""
+    group_size: int = 8
+    """Trajectories per group; a batch holds whole groups only."""
+    key_list: list[str] = field(default_factory=lambda: ["uid"])
+    """Grouping keys: [] no grouping, one key grouped, several keys hierarchical."""
+    check_batch_ready_function: str = "batch_size"
+    """`batch_size` (a full batch) or `loaded_batch_finished` (also the epoch's tail)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    type: str = "grpo"
+    """Processor type: `grpo` (group advantages) or `package.module:Class`."""
+    advantage_estimator: str = "grpo"
+    """Name in the advantage registry (docs/algorithms.md)."""
+    advantage_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the advantage estimator."""
+    loss_fn: str = "ppo_clip"
+    """Name in the policy-loss registry."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation mode."""
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `compute_loss` (clip bounds, KL, entropy, IS correction)."""
+    num_mini_batches: int = 1
+    """Optimizer steps per batch: the batch is cut into this many slices (PPO mini-batches)."""
+    ppo_epochs: int = 1
+    """Passes over the slices of each batch."""
+
+
+@dataclass
+class TrainBatchPoolConfig:
+    type: str = "default"
+    """Pool type."""
+    max_size: int | None = None
+    """Batches held per model tag before `put_batch` refuses; null: unbounded."""
+
+
+@dataclass
+class TrainWorkerConfig:
+    type: str = "default"
+    """Worker type."""
+    num_workers: int = 1
+    """Train workers (data-parallel ranks are the engine's business)."""
+    total_train_steps: int = 300
+    """Stop after this many optimizer steps."""
+    save_freq: int = 100
+    """Save a `global_step_N` checkpoint every N steps (0: only at the end)."""
+    remove_previous_ckpt: bool = True
+    """Keep only the newest checkpoint."""
+    checkpoint_path: str | None = None
+    """Checkpoint folder; null: `<run dir>/checkpoints`."""
+    sync_weight_path: str | None = None
+    """Weight-sync buffer folder; null: `<run dir>/sync_weights`."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Train engine options (docs/training.md)."""
+
+
+@dataclass
+class WeightConfig:
+    type: str = "default"
+    """Controller type."""
+    sync_mode: str = "sync"
+    """`sync`, `batch-async` or `fully-async`."""
+    staleness_threshold: int = 0
+    """Largest allowed `train_step - model_version` of a trained sample (async modes)."""
+    validate_freq: int = 10
+    """Validate after every N weight syncs (0: never during training)."""
+
+
+@dataclass
+class TrainServiceConfig:
+    backend: str = "builtin"
+    """`builtin` (in-process torch engine) or `remote` (a `nexrl train-service`)."""
+    url: str | None = None
+    """Service URL for `remote`."""
+    model_tag: str = "default"
+    """Which model this service trains."""
+    api_key: str | None = None
+    """Bearer token of the service."""
+    timeout: float = 600.0
+    """Seconds per request."""
+    max_retries: int = 3
+    """Retries of a failed request."""
+
+
+@dataclass
+class InferenceServiceConfig:
+    backend: str = "builtin"
+    """`builtin` (in-process engine), `hf` (transformers generate), `remote` (an
+    OpenAI-compatible server: `nexrl serve`), `vllm` or `sglang`."""
+    url: str | None = None
+    """Server base URL for remote backends."""
+    model_tag: str = "default"
+    """Which model this service serves."""
+    model: str | None = None
+    """Model path; null: the run's `model_path`."""
+    api_key: str | None = None
+    """Bearer token of the server."""
+    max_retries: int = 3
+    """Retries of a failed request."""
+    timeout: float = 300.0
+    """Seconds per request."""
+    freeze_for_weight_sync: bool = True
+    """Hold new requests while a weight sync is in progress."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Built-in engine options (docs/inference.md)."""
+
+
+@dataclass
+class ServiceConfig:
+    train_service: TrainServiceConfig = field(default_factory=TrainServiceConfig)
+    inference_service: InferenceServiceConfig = field(default_factory=InferenceServiceConfig)
+
+
+@dataclass
+class EvalConfig:
+    type: str = "default"
+    """Validator type."""
+
+
+@dataclass
+class ValidateConfig:
+    validate_before_train: bool = True
+    """Validate the initial weights before the first step."""
+    temperature: float = 0.0
+    """Sampling temperature of validation rollouts (0: greedy)."""
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(split="validation", shuffle=False, num_epochs=1)
+    )
+    """Validation data, same keys as `data`."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class ResumeConfig:
+    mode: str = "disable"
+    """`disable`, `auto` (newest `global_step_N` under the checkpoint folder) or `from_path`."""
+    resume_path: str | None = None
+    """Checkpoint folder for `from_path`."""
+
+
+@dataclass
+class LoggerConfig:
+    backend: list[str] = field(default_factory=lambda: ["jsonl", "console"])
+    """Any of `jsonl` (metrics.jsonl in the run dir), `console`, `tensorboard`, `wandb`."""
+    run_dir: str | None = None
+    """Where file backends write; set to the run directory at start."""
+    console_keys: list[str] | None = None
+    """Metrics shown on the console line; null: step, reward, throughput, ETA."""
+
+
+@dataclass
+class ExceptionHandlingConfig:
+    enabled: bool = True
+    """Watch reported errors."""
+    check_interval: float = 1.0
+    """Seconds between checks."""
+    policy: str = "stop_on_error"
+    """`stop_on_error`, `stop_on_critical` or `continue`."""
+
+
+@dataclass
+class HealthCheckConfig:
+    enabled: bool = True
+    """Check module liveness."""
+    check_interval: float = 5.0
+    """Seconds between checks."""
+    timeout: float = 5.0
+    """Seconds a module may take to answer (Ray mode)."""
+
+
+@dataclass
+class RuntimeMonitorConfig:
+    exception_handling: ExceptionHandlingConfig = field(default_factory=ExceptionHandlingConfig)
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+
+
+@dataclass
+class RLTrainConfig:
+    launch_mode: str = "local"
+    """`local` (threads in one process) or `ray`."""
+    project_name: str = "nexrl"
+    """Project name for experiment loggers."""
+    experiment_name: str = "shift_letters"
+    """Run name; the run dir is `<output_dir>/<experiment_name>/<timestamp>`."""
+    output_dir: str = "./outputs"
+    """Where run directories go."""
+    run_dir: str | None = None
+    """Exact run directory (overrides the timestamped default)."""
+    seed: int = 42
+    """Global seed."""
+    model_path: str | None = None
+    """HF model directory; null: the embedded tiny Qwen2."""
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout_worker: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
+    trajectory_pool: TrajectoryPoolConfig = field(default_factory=TrajectoryPoolConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train_batch_pool: TrainBatchPoolConfig = field(default_factory=TrainBatchPoolConfig)
+    train_worker: TrainWorkerConfig = field(default_factory=TrainWorkerConfig)
+    weight: WeightConfig = field(default_factory=WeightConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    runtime_monitor: RuntimeMonitorConfig = field(default_factory=RuntimeMonitorConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "launch_mode": ("local", "ray"),
+    "weight.sync_mode": ("sync", "batch-async", "fully-async"),
+    "resume.mode": ("disable", "auto", "from_path"),
+    "runtime_monitor.exception_handling.policy": ("stop_on_error", "stop_on_critical", "continue"),
+    "trajectory_pool.check_batch_ready_function": ("batch_size", "loaded_batch_finished"),
+    "service.train_service.backend": ("builtin", "remote"),
+    "service.inference_service.backend": ("builtin", "hf", "remote", "vllm", "sglang"),
+}

@@ -1,0 +1,197 @@
+"""NexRLController: builds the modules, wires them, runs and watches the loop.
+
+The data flow lives in the modules (loader -> rollout workers -> trajectory
+pool -> processor -> train batch pool -> train worker -> weight sync); the
+controller only starts them, validates when the weight-sync controller asks,
+applies the error policy, and stops everything once training is done:
+
+    initialize train workers; load initial / resume checkpoint
+    validate before training (optional)
+    start modules
+    while not finished:
+        check errors and liveness; validate when a weight sync asks for it
+    final validation; stop; wait for quiescence
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from omegaconf import DictConfig
+
+from nexrl.distributed import execute
+from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy, should_stop
+from nexrl.run_setup import find_latest_checkpoint, find_resume_checkpoint, resolve_run_config
+from nexrl.system import LocalSystem
+from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingAborted(RuntimeError):
+    """The error policy stopped the run, or a module died."""
+
+
+class NexRLController:
+    def __init__(self, config: DictConfig) -> None:
+        self._explicit_ckpt = config.train_worker.checkpoint_path is not None
+        self._config = resolve_run_config(config)
+        self.run_dir = self._config.run_dir
+        self.activity_tracker = ActivityTracker(self._config)
+        self._proxy = ActivityTrackerProxy(self.activity_tracker)
+        self.system = LocalSystem(self._config, self._proxy, self.activity_tracker)
+        self._tag: ModelTag = DEFAULT_MODEL_TAG
+        self._last_validated_step: int | None = None
+        self._monitor = self._config.runtime_monitor
+        self._next_health_check = 0.0
+        self.final_metrics: dict[str, float] = {}
+
+    # -- the run -----------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        s = self.system
+        logger.info("run dir: %s", self.run_dir)
+        for worker in s.train_workers:
+            execute(worker.initialize_workers)
+        self._load_initial_checkpoint()
+        validate_first = self._config.validate.validate_before_train
+        if validate_first:  # switch workers to validation before their loops start
+            self._start_validate(self._tag)
+        s.start()
+        try:
+            if validate_first:
+                self._wait_validate()
+                self._end_validate(self._tag)
+            while not self._check_finish():
+                self._check_module_exceptions()
+                self._check_module_liveness_periodically()
+                if execute(s.weight_sync_controller.is_waiting_for_validation):
+                    self._run_validate(self._tag)
+                time.sleep(0.02)
+            if self._last_validated_step != self._train_step():
+                self._run_validate(self._tag)
+        finally:
+            self._stop()
+        return self.final_metrics
+
+    def _train_step(self) -> int:
+        return execute(self.system.train_workers[0].get_train_step)
+
+    def _check_finish(self) -> bool:
+        total = self._config.train_worker.total_train_steps
+        if total and self._train_step() >= total:
+            return True
+        s = self.system
+        return (
+            execute(s.dataloader.is_finished)
+            and self.activity_tracker.is_quiescent()
+            and execute(s.trajectory_pool.is_empty)
+            and execute(s.train_batch_pool.is_empty)
+        )
+
+    def _check_module_exceptions(self) -> bool:
+        if not self._monitor.exception_handling.enabled:
+            return True
+        health = self.activity_tracker.get_error_health_status()
+        if should_stop(health, self._monitor.exception_handling.policy):
+            raise TrainingAborted(
+                f"stopping on reported errors (policy "
+                f"{self._monitor.exception_handling.policy}): {health['message']}"
+            )
+        return True
+
+    def _check_module_liveness(self, timeout: float = 5.0) -> bool:
+        if not self.activity_tracker.check_module_liveness(timeout):
+            raise TrainingAborted(
+                "a module died: " + self.activity_tracker.get_running_status_summary()
+            )
+        return True
+
+    def _check_module_liveness_periodically(self) -> None:
+        hc = self._monitor.health_check
+        if hc.enabled and time.monotonic() >= self._next_health_check:
+            self._next_health_check = time.monotonic() + hc.check_interval
+            self._check_module_liveness(hc.timeout)
+
+    # -- checkpoints -------------------------------------------------------------
+    def _load_initial_checkpoint(self) -> None:
+        """Fresh start: both sides loaded `model_path` (version 0). Resume: load and push."""
+        path = self._load_resume_checkpoint()
+        if path is None:
+            return
+        s = self.system
+        state = execute(s.train_workers[0].load_checkpoint, path)
+        if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
+            execute(s.dataloader.load_state_dict, state["dataloader"])
+        execute(s.train_workers[0].export_sync_weights)
+        execute(s.weight_sync_controller.set_rollout_model_version, self._tag, state["step"] - 1)
+        execute(s.weight_sync_controller.sync_weight_to_rollout_service, self._tag)
+        self.activity_tracker.set_training_step(state["step"])
+        self._last_validated_step = None
+        logger.info("resumed from %s at step %d", path, state["step"])
+
+    def _load_resume_checkpoint(self) -> str | None:
+        resume = self._config.resume
+        if resume.mode == "disable":
+            return None
+        if resume.mode == "from_path":
+            if not resume.resume_path:
+                raise ValueError("resume.mode=from_path needs resume.resume_path")
+            return resume.resume_path
+        return find_resume_checkpoint(self._config, self._explicit_ckpt)
+
+    def _find_latest_checkpoint(self, checkpoint_folder: str) -> str | None:
+        return find_latest_checkpoint(checkpoint_folder)
+
+    # -- validation ---------------------------------------------------------------
+    def _set_validate_mode(self, on: bool) -> None:
+        for worker in self.system.rollout_workers:
+            execute(worker.begin_validate if on else worker.end_validate)
+
+    def _start_validate(self, model_tag: ModelTag) -> None:
+        s = self.system
+        execute(s.validate_dataloader.reset)
+        execute(s.validator.begin, execute(s.validate_dataloader.__len__))
+        execute(s.weight_sync_controller.start_validate, model_tag)
+        self._set_validate_mode(True)
+
+    def _end_validate(self, model_tag: ModelTag) -> None:
+        s = self.system
+        self._set_validate_mode(False)
+        metrics = execute(s.validator.compute_and_log_metrics)
+        execute(s.validator.clear)
+        execute(s.weight_sync_controller.end_validate, model_tag)
+        self._last_validated_step = self._train_step()
+        self.final_metrics.update(metrics)
+        logger.info("validation at step %d: %s", self._last_validated_step, metrics)
+
+    def _wait_validate(self) -> None:
+        while not execute(self.system.validator.is_complete):
+            self._check_module_exceptions()
+            time.sleep(0.02)
+
+    def _run_validate(self, model_tag: ModelTag) -> None:
+        """Validate the weights the inference side serves now (seed 000 `_run_validate`)."""
+        self._start_validate(model_tag)
+        self._wait_validate()
+        self._end_validate(model_tag)
+
+    # -- shutdown ------------------------------------------------------------------
+    def _stop(self, timeout: float = 60.0) -> None:
+        self.system.stop()
+        if not self.activity_tracker.wait_quiescent(timeout):
+            logger.warning(
+                "not quiescent after %.0fs: %s",
+                timeout,
+                self.activity_tracker.get_running_status_summary(),
+            )
+        self.activity_tracker.experiment_logger_post(
+            backend="metrics",
+            data={f"ledger/{k}": v for k, v in self._ledger().items()},
+            step=self._train_step(),
+        )
+        self.activity_tracker.close()
+
+    def _ledger(self) -> dict[str, Any]:
+        return dict(self.activity_tracker.get_counters())

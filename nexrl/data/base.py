@@ -1,0 +1,144 @@
+"""`BaseDataLoader`: a thread-safe task source with a queue of returned items.
+
+Several rollout worker threads pull tasks concurrently, and a task whose
+rollout must be redone (weight sync in progress, a failed rollout) is given
+back with `add_item_front` / `add_item_back`. Given-back items go to a
+"returned" queue that is always served before fresh data, so no task is lost
+even when the fresh stream is infinite (a training loader cycling epochs):
+"back" means the end of the returned queue, not the end of the dataset.
+
+Subclasses supply the fresh stream through three hooks (`_next_fresh`,
+`_fresh_remaining`, `_reset_fresh`); all locking lives here.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from nexrl.module import NexRLModule
+
+
+class BaseDataLoader(NexRLModule):
+    """Serves task dicts: returned items first, then the subclass's fresh stream."""
+
+    def __init__(self, config: Mapping[str, Any] | None = None, is_validate: bool = False) -> None:
+        super().__init__()
+        self._config = config if config is not None else {}
+        self._is_validate = is_validate
+        self._lock = threading.RLock()
+        self._returned: deque[dict[str, Any]] = deque()
+
+    # ---- hooks for subclasses (called with the lock held) -----------------
+    def _next_fresh(self) -> dict[str, Any] | None:
+        """Next fresh item, or None when the fresh stream is exhausted."""
+        raise NotImplementedError
+
+    def _fresh_remaining(self) -> int:
+        """Fresh items left (for an endless stream: left in the current epoch)."""
+        raise NotImplementedError
+
+    def _fresh_exhausted(self) -> bool:
+        return self._fresh_remaining() == 0
+
+    def _reset_fresh(self) -> None:
+        raise NotImplementedError
+
+    # ---- public API -------------------------------------------------------
+    @property
+    def is_validate(self) -> bool:
+        return self._is_validate
+
+    def __len__(self) -> int:
+        """Items left: returned items plus fresh ones (see `_fresh_remaining`)."""
+        with self._lock:
+            return len(self._returned) + self._fresh_remaining()
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} does not support indexing")
+
+    def get_next_item(self) -> dict[str, Any] | None:
+        """The next task (a returned one first), or None if nothing is left."""
+        with self._lock:
+            if self._returned:
+                return self._returned.popleft()
+            return self._next_fresh()
+
+    def is_finished(self) -> bool:
+        """True when no returned item is queued and the fresh stream is exhausted."""
+        with self._lock:
+            return not self._returned and self._fresh_exhausted()
+
+    def can_return_item(self) -> bool:
+        """True when `get_next_item` would return an item right now."""
+        return not self.is_finished()
+
+    def reset(self) -> None:
+        """Back to the initial state: returned items dropped, fresh stream rewound."""
+        with self._lock:
+            self._returned.clear()
+            self._reset_fresh()
+
+    def add_item(self, item: dict[str, Any]) -> None:
+        """Same as `add_item_back`."""
+        self.add_item_back(item)
+
+    def add_item_front(self, item: dict[str, Any]) -> None:
+        """Give an item back; it is served next."""
+        with self._lock:
+            self._returned.appendleft(item)
+
+    def add_item_back(self, item: dict[str, Any]) -> None:
+        """Give an item back; it is served after the other returned items, before fresh data."""
+        with self._lock:
+            self._returned.append(item)
+
+    def returned_items(self) -> list[dict[str, Any]]:
+        """A copy of the queued returned items (front first), for checkpoints."""
+        with self._lock:
+            return copy.deepcopy(list(self._returned))
+
+    def _restore_returned(self, items: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._returned = deque(copy.deepcopy(items))
+
+
+class InMemoryDataLoader(BaseDataLoader):
+    """A loader over a list of dicts (config key `items`), one pass per `reset`.
+
+    For tests and small programmatic tasks; rows get `index` and `uid` like the
+    HF loader's (uid = "<index>" since there is one epoch).
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | None = None,
+        is_validate: bool = False,
+        items: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(config, is_validate)
+        rows = items if items is not None else self._config.get("items", None) or []
+        if OmegaConf.is_config(rows):
+            rows = OmegaConf.to_container(rows, resolve=True)
+        self._rows = [dict(r) for r in rows]
+        self._pos = 0
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self._rows[index], "index": index, "uid": f"0-{index}"}
+
+    def _next_fresh(self) -> dict[str, Any] | None:
+        if self._pos >= len(self._rows):
+            return None
+        self._pos += 1
+        return self[self._pos - 1]
+
+    def _fresh_remaining(self) -> int:
+        return len(self._rows) - self._pos
+
+    def _reset_fresh(self) -> None:
+        self._pos = 0

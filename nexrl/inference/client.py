@@ -1,0 +1,241 @@
+"""`LLMServiceClient`: what rollout workers hold to reach the policy (seed 000).
+
+Two transports behind one surface:
+
+- in-process (`backend: builtin | hf`): the engine of this process, shared by
+  every client with the same `model_tag` (`get_local_engine`);
+- remote (`backend: remote | vllm | sglang`): any OpenAI-compatible server,
+  through the official `openai` SDK; weight updates, pause and abort go
+  through a small per-server HTTP adapter (`nexrl.inference.adapters`).
+
+The client adds retries (tenacity), weight-sync blocking and the result dict;
+it holds no algorithm logic. Results are token-in/token-out: `prompt_ids`,
+`response_ids`, `response_logprobs` exactly as the engine saw and produced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from nexrl.distributed.execute import execute
+from nexrl.inference.protocol import (
+    GenerationRequest,
+    GenerationResponse,
+    InferenceEngine,
+    SamplingParams,
+    WeightUpdateMeta,
+)
+
+LOCAL_BACKENDS = ("builtin", "hf")
+REMOTE_BACKENDS = ("remote", "vllm", "sglang")
+_ENGINE_OPTIONS = ("max_batch_size", "max_model_len", "dtype", "device", "seed")
+_BLOCK_POLL_S = 0.02
+
+_local_engines: dict[str, InferenceEngine] = {}
+_local_lock = threading.Lock()
+
+
+def _cfg(config: Mapping, key: str, default: Any = None) -> Any:
+    value = config.get(key, default) if config is not None else default
+    return default if value is None else value
+
+
+def create_engine(config: Mapping) -> InferenceEngine:
+    """A new in-process engine for `config` (`backend` builtin or hf)."""
+    backend = _cfg(config, "backend", "builtin")
+    options = {k: config[k] for k in _ENGINE_OPTIONS if config.get(k) is not None}
+    model = _cfg(config, "model")
+    if backend == "hf":
+        from nexrl.inference.hf_engine import HFEngine
+
+        hf_opts = {k: v for k, v in options.items() if k in ("dtype", "device", "max_model_len")}
+        return HFEngine(model, **hf_opts)
+    if backend == "builtin":
+        from nexrl.inference.engine import build_engine
+
+        return build_engine(model, **options)
+    raise ValueError(f"backend {backend!r} is not in-process; choose one of {LOCAL_BACKENDS}")
+
+
+def get_local_engine(config: Mapping) -> InferenceEngine:
+    """The process-wide engine for `config['model_tag']`, created on first use (thread-safe)."""
+    tag = _cfg(config, "model_tag", "default")
+    with _local_lock:
+        if tag not in _local_engines:
+            _local_engines[tag] = create_engine(config)
+        return _local_engines[tag]
+
+
+def shutdown_local_engines() -> None:
+    """Stop and forget every process-wide engine (tests, process exit)."""
+    with _local_lock:
+        for engine in _local_engines.values():
+            engine.shutdown()
+        _local_engines.clear()
+
+
+def sampling_from_kwargs(kwargs: Mapping[str, Any]) -> SamplingParams:
+    """OpenAI-named kwargs (max_tokens, temperature, top_p, top_k, stop, ...) -> SamplingParams."""
+    stop = kwargs.get("stop") or []
+    return SamplingParams(
+        max_new_tokens=int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", 64))),
+        temperature=float(kwargs.get("temperature", 1.0)),
+        top_p=float(kwargs.get("top_p", 1.0)),
+        top_k=int(kwargs.get("top_k", -1) if kwargs.get("top_k") is not None else -1),
+        stop_token_ids=list(kwargs.get("stop_token_ids") or []),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        n=int(kwargs.get("n", 1)),
+        seed=kwargs.get("seed"),
+        ignore_eos=bool(kwargs.get("ignore_eos", False)),
+    )
+
+
+def result_dict(prompt: Any, response: GenerationResponse, version: int) -> dict[str, Any]:
+    """The client's result: top level = first choice, `choices` = every sample."""
+    choices = [
+        {
+            "response": out.text,
+            "response_ids": list(out.output_ids),
+            "response_logprobs": list(out.output_logprobs),
+            "finish_reason": out.finish_reason,
+            "token_versions": list(out.output_versions),
+        }
+        for out in response.outputs
+    ]
+    return {
+        "prompt": prompt,
+        "prompt_ids": list(response.input_ids),
+        **choices[0],
+        "model_version": version,
+        "choices": choices,
+    }
+
+
+class LLMServiceClient:
+    """Client for the `service.inference_service` config section (see docs/inference.md)."""
+
+    def __init__(self, config: Mapping, engine: InferenceEngine | None = None) -> None:
+        self.config = dict(config or {})
+        self.backend: str = _cfg(self.config, "backend", "builtin")
+        if self.backend not in LOCAL_BACKENDS + REMOTE_BACKENDS:
+            raise ValueError(
+                f"inference_service.backend={self.backend!r}; "
+                f"choose one of {LOCAL_BACKENDS + REMOTE_BACKENDS}"
+            )
+        self._model_tag: str = _cfg(self.config, "model_tag", "default")
+        self.max_retries = int(_cfg(self.config, "max_retries", 3))
+        self.freeze_for_weight_sync = bool(_cfg(self.config, "freeze_for_weight_sync", True))
+        self._controller: Any = None
+        self._engine: InferenceEngine | None = None
+        self._remote = None
+        if self.backend in LOCAL_BACKENDS:
+            self._engine = engine or get_local_engine(self.config)
+        else:
+            from nexrl.inference.remote import RemoteBackend
+
+            self._remote = RemoteBackend(self.config)
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def model_tag(self) -> str:
+        return self._model_tag
+
+    @property
+    def version(self) -> int:
+        if self._engine is not None:
+            return self._engine.version
+        return self._remote.version()
+
+    @property
+    def tokenizer(self):
+        if self._engine is not None:
+            return self._engine.tokenizer
+        return self._remote.tokenizer
+
+    # -- generation -------------------------------------------------------------------------
+    def completion(
+        self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Complete `prompt` (text) or `prompt_ids` (token ids). kwargs use OpenAI names."""
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("completion() needs exactly one of `prompt` or `prompt_ids`")
+        self._wait_for_weight_sync()
+        if self._remote is not None:
+            return self._retrying(self._remote.completion, prompt, prompt_ids, kwargs)
+        ids = prompt_ids if prompt_ids is not None else self._encode(prompt)
+        return self._retrying(self._local_generate, prompt, ids, kwargs)
+
+    def generate(self, messages: list[dict], **kwargs: Any) -> dict[str, Any]:
+        """Chat: apply the tokenizer's chat template, then complete. Adds `messages`."""
+        self._wait_for_weight_sync()
+        if self._remote is not None:
+            result = self._retrying(self._remote.chat, messages, kwargs)
+        else:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            prompt = self.tokenizer.decode(ids)
+            result = self._retrying(self._local_generate, prompt, list(ids), kwargs)
+        result["messages"] = messages
+        result.setdefault("tool_calls", [])
+        return result
+
+    def _local_generate(self, prompt: Any, ids: list[int], kwargs: Mapping) -> dict[str, Any]:
+        version = self._engine.version
+        request = GenerationRequest(list(ids), sampling_from_kwargs(kwargs), rid=kwargs.get("rid"))
+        response = self._engine.generate(request)
+        return result_dict(prompt, response, version)
+
+    def _encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def _retrying(self, fn, *args: Any) -> Any:
+        """Call `fn`, retrying transport errors (never ValueError: a bad request stays bad)."""
+        retryer = Retrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            retry=retry_if_exception_type((ConnectionError, TimeoutError, *_remote_errors())),
+            reraise=True,
+        )
+        return retryer(fn, *args)
+
+    # -- weight sync ------------------------------------------------------------------------
+    def set_weight_sync_controller(self, controller: Any) -> None:
+        self._controller = controller
+
+    def _wait_for_weight_sync(self) -> None:
+        if self._controller is None or not self.freeze_for_weight_sync:
+            return
+        check = self._controller.check_rollout_service_status
+        while execute(check, self._model_tag) == "block":
+            time.sleep(_BLOCK_POLL_S)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        target = self._engine if self._engine is not None else self._remote
+        target.update_weights(meta)
+
+    def pause(self) -> None:
+        (self._engine or self._remote).pause()
+
+    def resume(self) -> None:
+        (self._engine or self._remote).resume()
+
+    def abort(self, rid: str | None = None) -> None:
+        (self._engine or self._remote).abort(rid)
+
+
+def _remote_errors() -> tuple[type[BaseException], ...]:
+    import httpx
+    import openai
+
+    return (
+        openai.APIConnectionError,
+        openai.APITimeoutError,
+        openai.InternalServerError,
+        httpx.TransportError,
+    )

@@ -1,0 +1,345 @@
+"""`Engine`: the built-in continuous-batching inference engine.
+
+One scheduler thread owns the model, the KV cache and the running batch.
+Callers (any thread, or asyncio through `agenerate`) submit a request and wait
+on a `concurrent.futures.Future`. Every loop of the scheduler:
+
+1. runs control commands (weight update, pause, abort) between steps, so a
+   command never races a forward;
+2. admits waiting requests while slots are free: their prompts prefill in one
+   padded forward, once per request whatever `n` (prefix sharing), and each
+   of the `n` rows samples its first token;
+3. runs ONE decode forward for all running rows and samples the next tokens;
+4. finishes rows (max tokens, stop token/string, abort) and resolves a
+   request's future when its last sample finishes.
+
+Requests therefore join and leave the batch at every step. A weight update
+lets running samples continue on the new weights (partial rollout): their KV
+cache keeps the old weights' prefix, and `output_versions` records, per token,
+the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nexrl.inference.model_runner import ModelRunner, is_supported
+from nexrl.inference.protocol import (
+    GenerationRequest,
+    GenerationResponse,
+    InferenceEngine,
+    WeightUpdateMeta,
+)
+from nexrl.inference.sampler import (
+    StopChecker,
+    sample_generator,
+    sample_next,
+    stop_token_set,
+    validate_params,
+)
+from nexrl.inference.scheduler import Pending, Row, RunningBatch
+from nexrl.inference.weights import (
+    load_model_and_tokenizer,
+    load_weights_into,
+    state_dict_from_meta,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching `InferenceEngine` for Llama/Qwen2/Qwen3 checkpoints."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        max_batch_size: int = 128,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 8192,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        model_and_tokenizer: tuple[Any, Any] | None = None,
+    ) -> None:
+        if model_path is None and model_and_tokenizer is None:
+            from nexrl.models.tiny import default_model_path
+
+            model_path = default_model_path()
+        self.model_path = str(model_path)
+        model, tok = model_and_tokenizer or load_model_and_tokenizer(model_path, dtype, device)
+        self.model, self.tokenizer = model, tok
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.runner = ModelRunner(model, max_batch_size, self.max_model_len)
+        self.batch = RunningBatch(max_batch_size, self.max_model_len, device)
+        eos = model.generation_config.eos_token_id
+        self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        self._gen = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._paused = False
+        self._stopping = False
+        self._cv = threading.Condition()
+        self._inbox: deque[Pending] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._waiting: deque[Pending] = deque()
+        self.stats = {"requests": 0, "generated_tokens": 0, "steps": 0, "running": 0, "waiting": 0}
+        self._thread = threading.Thread(target=self._loop, name="nexrl-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue `request`; the future resolves to its `GenerationResponse`."""
+        params = request.sampling
+        validate_params(params)
+        if not request.input_ids:
+            raise ValueError("input_ids is empty: a prompt needs at least one token")
+        if len(request.input_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(request.input_ids)} tokens; max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one generated token)"
+            )
+        if params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}")
+        if request.rid is None:
+            request.rid = uuid.uuid4().hex
+        pending = Pending(
+            request,
+            Future(),
+            stop_token_set(params, self.eos_token_ids),
+            StopChecker(self.tokenizer, params.stop),
+            [None] * params.n,
+            params.n,
+        )
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is shut down")
+            self._inbox.append(pending)
+            self._cv.notify()
+        return pending.future
+
+    def generate(self, request: GenerationRequest) -> GenerationResponse:
+        return self.submit(request).result()
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Load new weights (read here, copied in between two steps); version := meta.version."""
+        state = state_dict_from_meta(meta)
+
+        def apply() -> None:
+            load_weights_into(self.model, state)
+            self.runner.refresh()
+            self._version = meta.version
+
+        self._command(apply)
+
+    def pause(self) -> None:
+        """Return once no step runs; running requests keep their state (and KV cache)."""
+        self._command(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> None:
+        self._command(lambda: setattr(self, "_paused", False))
+
+    def abort(self, rid: str | None = None) -> None:
+        """Finish running and waiting requests (all, or `rid`) now with finish_reason 'abort'."""
+        self._command(lambda: self._abort(rid))
+
+    def health(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.abort()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # -- scheduler thread -------------------------------------------------------------------
+    def _command(self, fn: Callable[[], Any]) -> Any:
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        with self._cv:
+            self._commands.append((fn, future))
+            self._cv.notify()
+        return future.result()
+
+    def _has_work(self) -> bool:
+        return bool(self._commands or self._inbox) or (
+            not self._paused and bool(self._waiting or len(self.batch))
+        )
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._has_work() and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            for fn, future in commands:
+                _run_into(fn, future)
+            if not self._paused:
+                self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        try:
+            self._step()
+        except Exception as exc:  # fail every caller instead of hanging them, then go on
+            logger.exception("engine step failed")
+            for pending in {id(r.pending): r.pending for r in self.batch.rows}.values():
+                _fail(pending, exc)
+            for pending in self._waiting:
+                _fail(pending, exc)
+            self._waiting.clear()
+            self.batch.compact(list(range(len(self.batch))))
+
+    def _step(self) -> None:
+        self._admit()
+        self._finish()  # a first token may already end a sample
+        b = len(self.batch)
+        if b:
+            span = int(self.batch.pos[:b].max()) + 1
+            logits = self.runner.decode(self.batch.cur_tok[:b], self.batch.pos[:b], span)
+            self._sample_and_record(torch.arange(b), logits)
+        self._finish()
+        self.stats.update(running=len(self.batch), waiting=len(self._waiting))
+        self.stats["steps"] += 1
+
+    def _sample_and_record(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        bt = self.batch
+        tokens, lps = sample_next(
+            logits, bt.temp[rows], bt.top_p[rows], bt.top_k[rows], bt.generators(rows), self._gen
+        )
+        bt.record(rows, tokens, lps, self._version)
+        self.stats["generated_tokens"] += int(rows.numel())
+
+    def _admit(self) -> None:
+        """Prefill waiting requests that fit (slots and prefill token budget)."""
+        chosen: list[Pending] = []
+        slots, longest = self.batch.free, 0
+        while self._waiting:
+            p = self._waiting[0]
+            n, plen = p.request.sampling.n, len(p.request.input_ids)
+            width = max(longest, plen)
+            if n > slots or (chosen and width * (len(chosen) + 1) > self.max_prefill_tokens):
+                break
+            self._waiting.popleft()
+            if p.request.sampling.max_new_tokens == 0:
+                _resolve_empty(p)
+                continue
+            chosen.append(p)
+            slots, longest = slots - n, width
+        if chosen:
+            self._prefill(chosen, longest)
+
+    def _prefill(self, chosen: list[Pending], width: int) -> None:
+        tokens = torch.zeros(len(chosen), width, dtype=torch.long)
+        for i, p in enumerate(chosen):
+            tokens[i, : len(p.request.input_ids)] = torch.tensor(p.request.input_ids)
+        lengths = torch.tensor([len(p.request.input_ids) for p in chosen])
+        rows, src, plens = [], [], []
+        for i, p in enumerate(chosen):
+            for k in range(p.request.sampling.n):
+                rows.append(Row(p, k, sample_generator(p.request.sampling.seed, k)))
+                src.append(i)
+                plens.append(len(p.request.input_ids))
+        start = len(self.batch)
+        dst = torch.arange(start, start + len(rows))
+        logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst)  # (R, V)
+        idx = self.batch.add_rows(rows, plens)
+        self._sample_and_record(idx, logits[torch.tensor(src)])
+        self.stats["requests"] += len(chosen)
+
+    def _finish(self) -> None:
+        finished = self.batch.finished_rows()
+        if not finished:
+            return
+        for j in finished:
+            row, output = self.batch.take_output(j, self.tokenizer)
+            row.pending.finish_sample(row.index, output)
+            if row.pending.left == 0:
+                _resolve(row.pending)
+        src, dst = self.batch.compact(finished)
+        if dst.numel():
+            self.runner.move_rows(src, dst)
+
+    def _abort(self, rid: str | None) -> None:
+        self._waiting.extend(self._inbox)
+        self._inbox.clear()
+        for j, row in enumerate(self.batch.rows):
+            if rid is None or row.pending.request.rid == rid:
+                self.batch.abort[j] = True
+        keep: deque[Pending] = deque()
+        for p in self._waiting:
+            if rid is None or p.request.rid == rid:
+                _resolve_empty(p, "abort")
+            else:
+                keep.append(p)
+        self._waiting = keep
+        self._finish()
+
+
+def _run_into(fn: Callable[[], Any], future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as exc:  # the caller re-raises it from future.result()
+        future.set_exception(exc)
+
+
+def _resolve(p: Pending) -> None:
+    if not p.future.done():
+        req = p.request
+        p.future.set_result(GenerationResponse(list(req.input_ids), list(p.outputs), req.rid))
+
+
+def _resolve_empty(p: Pending, reason: str = "length") -> None:
+    from nexrl.inference.protocol import GenerationOutput
+
+    p.outputs = [GenerationOutput([], [], [], reason) for _ in range(p.request.sampling.n)]
+    _resolve(p)
+
+
+def _fail(p: Pending, exc: BaseException) -> None:
+    if not p.future.done():
+        p.future.set_exception(exc)
+
+
+def build_engine(model_path: str | Path | None = None, **options: Any) -> InferenceEngine:
+    """The fast `Engine` when the architecture is supported, else `HFEngine`."""
+    if model_path is None:
+        from nexrl.models.tiny import default_model_path
+
+        model_path = default_model_path()
+    dtype, device = options.pop("dtype", "float32"), options.pop("device", "cpu")
+    model, tok = load_model_and_tokenizer(model_path, dtype, device)
+    if is_supported(model):
+        return Engine(model_path, model_and_tokenizer=(model, tok), device=device, **options)
+    from nexrl.inference.hf_engine import HFEngine
+
+    logger.info("%s: no lean forward, using HFEngine", type(model).__name__)
+    return HFEngine(
+        model_path, dtype=dtype, device=device, max_model_len=options.get("max_model_len")
+    )

@@ -1,0 +1,206 @@
+"""The remote side of `LLMServiceClient`: the `openai` SDK plus small control adapters.
+
+Generation goes through the official `openai` SDK against any
+OpenAI-compatible server. Token ids and logprobs are read from vLLM's /
+nexrl's extension fields (`prompt_token_ids`, `token_ids`, standard
+`logprobs`); when a server does not return ids (older vLLM, SGLang without
+`return_token_ids`), the client tokenizes locally and says so in the result
+(`"retokenized": True`), because re-tokenization can break RL.
+
+Control (weight update, pause, resume, abort) is server specific:
+
+- remote (nexrl's server; TESTED here): POST /update_weights_from_disk,
+  /pause_generation, /continue_generation, /abort_request.
+- sglang (same paths and bodies; NOT tested here).
+- vllm (NOT tested here): weights via POST /collective_rpc `reload_weights`
+  (dev mode), POST /pause and /resume; abort is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from nexrl.inference.protocol import WeightUpdateMeta
+
+_CONTROL = {
+    "remote": {
+        "update": "/update_weights_from_disk",
+        "pause": "/pause_generation",
+        "resume": "/continue_generation",
+        "abort": "/abort_request",
+    },
+    "sglang": {
+        "update": "/update_weights_from_disk",
+        "pause": "/pause_generation",
+        "resume": "/continue_generation",
+        "abort": "/abort_request",
+    },
+    "vllm": {"update": "/collective_rpc", "pause": "/pause", "resume": "/resume", "abort": None},
+}
+
+
+class RemoteBackend:
+    """OpenAI-SDK generation and HTTP control of one server (`config['url']`)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        import openai
+
+        self.kind = config.get("backend", "remote")
+        url = config.get("url")
+        if not url:
+            raise ValueError(f"inference_service.url is required for backend {self.kind!r}")
+        self.base = str(url).rstrip("/").removesuffix("/v1")
+        self.api_key = config.get("api_key") or "EMPTY"
+        timeout = float(config.get("timeout") or 600)
+        self.client = openai.OpenAI(
+            base_url=self.base + "/v1", api_key=self.api_key, timeout=timeout, max_retries=0
+        )
+        self.http = httpx.Client(
+            base_url=self.base, timeout=timeout, headers={"Authorization": f"Bearer {self.api_key}"}
+        )
+        self.model_name = config.get("served_model_name") or None
+        self._tokenizer = None
+        self._tokenizer_path = config.get("tokenizer") or config.get("model")
+        self._version = 0
+
+    # -- generation -------------------------------------------------------------------------
+    def _model(self) -> str:
+        if self.model_name is None:
+            self.model_name = self.client.models.list().data[0].id
+        return self.model_name
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from nexrl.models.tiny import default_model_path
+
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                str(self._tokenizer_path or default_model_path())
+            )
+        return self._tokenizer
+
+    def version(self) -> int:
+        """The server's weight version where it reports one (/health), else the last pushed."""
+        if self.kind == "remote":
+            return int(self.http.get("/health").json().get("weight_version", self._version))
+        return self._version
+
+    def _params(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        std = {
+            k: kwargs[k]
+            for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop")
+            if k in kwargs
+        }
+        extra = {
+            k: kwargs[k]
+            for k in ("top_k", "stop_token_ids", "ignore_eos")
+            if kwargs.get(k) is not None
+        }
+        extra["return_token_ids"] = True  # vLLM >= 0.10.2
+        if kwargs.get("rid"):
+            extra["rid"] = kwargs["rid"]
+        return std, extra
+
+    def completion(self, prompt: str | None, prompt_ids: list[int] | None, kwargs) -> dict:
+        std, extra = self._params(kwargs)
+        resp = self.client.completions.create(
+            model=self._model(),
+            prompt=prompt if prompt_ids is None else prompt_ids,
+            logprobs=0,
+            extra_body=extra,
+            **std,
+        ).model_dump()
+        choices = [
+            self._choice(c, c["text"], c.get("logprobs") and c["logprobs"]["token_logprobs"])
+            for c in resp["choices"]
+        ]
+        return self._result(prompt, prompt_ids, resp, choices)
+
+    def chat(self, messages: list[dict], kwargs) -> dict:
+        std, extra = self._params(kwargs)
+        resp = self.client.chat.completions.create(
+            model=self._model(), messages=messages, logprobs=True, extra_body=extra, **std
+        ).model_dump()
+        choices = []
+        for c in resp["choices"]:
+            content = (c.get("logprobs") or {}).get("content") or []
+            choices.append(
+                self._choice(c, c["message"]["content"] or "", [t["logprob"] for t in content])
+            )
+        return self._result(None, None, resp, choices)
+
+    def _choice(self, c: dict, text: str, logprobs: list[float] | None) -> dict[str, Any]:
+        ids = c.get("token_ids")
+        retokenized = ids is None
+        if retokenized:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        version = c.get("token_versions") or [self._version] * len(ids)
+        return {
+            "response": text,
+            "response_ids": list(ids),
+            "response_logprobs": list(logprobs or []),
+            "finish_reason": c.get("finish_reason"),
+            "token_versions": list(version),
+            "retokenized": retokenized,
+        }
+
+    def _result(self, prompt, prompt_ids, resp: dict, choices: list[dict]) -> dict[str, Any]:
+        ids = resp.get("prompt_token_ids") or resp["choices"][0].get("prompt_token_ids")
+        if ids is None:
+            ids = (
+                prompt_ids
+                if prompt_ids is not None
+                else (
+                    list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    if prompt
+                    else []
+                )
+            )
+        version = resp.get("weight_version", self._version)
+        return {
+            "prompt": prompt,
+            "prompt_ids": list(ids),
+            **choices[0],
+            "model_version": version,
+            "choices": choices,
+        }
+
+    # -- control ----------------------------------------------------------------------------
+    def _post(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        path = _CONTROL[self.kind][action]
+        if path is None:
+            raise NotImplementedError(f"{action} is not available on backend {self.kind!r}")
+        resp = self.http.post(path, json=body or {})
+        if resp.status_code >= 400:
+            raise RuntimeError(f"{self.kind} {path} -> {resp.status_code}: {resp.text}")
+        return resp.json() if resp.content else {}
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        if meta.path is None:
+            raise NotImplementedError(
+                "remote weight update needs WeightUpdateMeta.path (a safetensors/HF directory); "
+                "in-memory state dicts only work with in-process backends"
+            )
+        if self.kind == "vllm":
+            self._post(
+                "update", {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}
+            )
+        else:
+            body = {"model_path": meta.path, "version": meta.version}
+            body["weight_version"] = str(meta.version)
+            self._post("update", body)
+        self._version = meta.version
+
+    def pause(self) -> None:
+        self._post("pause")
+
+    def resume(self) -> None:
+        self._post("resume")
+
+    def abort(self, rid: str | None = None) -> None:
+        self._post("abort", {"rid": rid, "abort_all": rid is None})

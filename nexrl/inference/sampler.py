@@ -1,0 +1,142 @@
+"""Token sampling and stop handling shared by the built-in engines.
+
+One batched call samples the next token of every running sequence: per-row
+temperature, top-k and top-p live in (B,) tensors, so a decode step has no
+Python loop over the batch. Only rows with their own `seed` draw their noise
+from a private `torch.Generator` (one small call per seeded row), which makes
+"same seed, same output" hold whatever else shares the batch.
+
+Logprob convention: the reported logprob of a sampled token is
+`log_softmax(logits / T)[token]`, the distribution *before* top-k/top-p
+truncation. At `T == 1` this is exactly the trainer's `log_softmax(logits)`.
+At other temperatures it is the temperature-scaled behaviour distribution,
+which is what a trainer that also divides its logits by `T` computes. Greedy
+(`T == 0`) reports `log_softmax(logits)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from nexrl.inference.protocol import GenerationOutput, SamplingParams
+
+
+def sample_next(
+    logits: torch.Tensor,  # (B, V) float
+    temperature: torch.Tensor,  # (B,) float, 0 = greedy
+    top_p: torch.Tensor,  # (B,) float in (0, 1]
+    top_k: torch.Tensor,  # (B,) long, <= 0 = off
+    generators: Mapping[int, torch.Generator] | None = None,
+    default_generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. Returns `(tokens (B,) long, logprobs (B,) float)`.
+
+    `generators` maps a row to its private generator (seeded requests); other rows
+    draw from `default_generator`.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V) reported distribution
+    filtered = _truncate(logp, top_p, top_k)
+    gumbel = _gumbel_noise(logp.shape, generators or {}, default_generator)  # (B, V)
+    sampled = (filtered + gumbel).argmax(dim=-1)  # Gumbel-max == multinomial
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncate(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set tokens outside each row's top-k / nucleus to -inf (no-op when all rows are off)."""
+    use_k = bool((top_k > 0).any())
+    use_p = bool((top_p < 1).any())
+    if not (use_k or use_p):
+        return logp
+    vocab = logp.shape[-1]
+    sorted_lp, _ = logp.sort(dim=-1, descending=True)  # (B, V)
+    keep_min = torch.full_like(logp[:, 0], float("-inf"))  # (B,) smallest kept logprob
+    if use_k:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        keep_min = sorted_lp.gather(1, (k - 1)[:, None]).squeeze(1)
+    if use_p:
+        cum = sorted_lp.exp().cumsum(dim=-1)
+        # number of tokens needed to reach top_p mass (at least one)
+        n_keep = ((cum - sorted_lp.exp()) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+        keep_min = torch.maximum(keep_min, sorted_lp.gather(1, (n_keep - 1)[:, None]).squeeze(1))
+    return logp.masked_fill(logp < keep_min[:, None], float("-inf"))
+
+
+def _gumbel_noise(
+    shape: torch.Size,
+    generators: Mapping[int, torch.Generator],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """-log(-log(U)); U from `torch.rand` (several times faster than `exponential_` on CPU)."""
+    u = torch.rand(shape, generator=default_generator)
+    for row, gen in generators.items():
+        u[row] = torch.rand(shape[-1], generator=gen)
+    return u.log_().neg_().log_().neg_()
+
+
+def sample_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+    """The private generator of sample `sample_index` of a seeded request (None if unseeded)."""
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(int(seed) * 1_000_003 + sample_index)
+    return gen
+
+
+class StopChecker:
+    """Finds stop strings in a growing output.
+
+    Decodes the whole output each call; outputs in RL are short and this runs
+    only for requests that set `stop`, so simplicity wins over incremental
+    detokenization.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+
+    def find(self, output_ids: Sequence[int]) -> int:
+        """Index in the decoded text where the first stop string starts, or -1."""
+        if not self.stop:
+            return -1
+        text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else -1
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """Token ids that end a sample: the request's `stop_token_ids` plus the model's EOS ids."""
+    return sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)})
+
+
+def make_output(
+    tokenizer,
+    ids: list[int],
+    logprobs: list[float],
+    versions: list[int],
+    finish_reason: str,
+    stop: Sequence[str] = (),
+) -> GenerationOutput:
+    """Build a `GenerationOutput`; the text is cut before the first stop string, ids are not."""
+    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    if hits:
+        text = text[: min(hits)]
+    return GenerationOutput(ids, logprobs, versions, finish_reason, text)
+
+
+def validate_params(params: SamplingParams) -> None:
+    """Raise ValueError naming the bad field of `params`."""
+    if params.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.n < 1:
+        raise ValueError(f"n must be >= 1, got {params.n}")

@@ -1,0 +1,196 @@
+"""The running batch of the built-in engine: per-row state as tensors.
+
+Every running sample owns one row `[0, B)`. Its state (last token, position,
+sampling knobs, generated tokens / logprobs / versions) lives in preallocated
+`(max_slots, ...)` tensors so that recording a step and finding finished rows
+are a handful of tensor ops, not a loop over the batch. When rows finish, the
+last rows move into the holes (`compact`), keeping the running rows dense;
+only finished rows and rows with stop strings are touched from Python.
+
+Usage order, from the engine's scheduler thread only:
+`add_rows` (after prefill) -> `record` -> `finished_rows` -> `take_outputs` ->
+`compact`, then every decode step `record` -> `finished_rows` -> ...
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from nexrl.inference.protocol import GenerationOutput, GenerationRequest
+from nexrl.inference.sampler import StopChecker, make_output
+
+
+@dataclass
+class Pending:
+    """A submitted request and where its n samples go."""
+
+    request: GenerationRequest
+    future: Future
+    stop_ids: list[int]
+    checker: StopChecker
+    outputs: list[GenerationOutput | None] = field(default_factory=list)
+    left: int = 0
+    aborted: bool = False
+
+    def finish_sample(self, index: int, output: GenerationOutput) -> None:
+        self.outputs[index] = output
+        self.left -= 1
+
+
+@dataclass
+class Row:
+    pending: Pending
+    index: int  # sample index within the request
+    generator: torch.Generator | None
+
+
+class RunningBatch:
+    """Dense per-row state of the running samples (see module docstring)."""
+
+    def __init__(self, max_slots: int, max_len: int, device: str | torch.device = "cpu") -> None:
+        s, d = max_slots, device
+        self.max_slots, self.max_len = max_slots, max_len
+        self.rows: list[Row] = []
+        self._n_stop_strings = 0  # rows whose request has stop strings
+        self._n_seeded = 0  # rows with a private generator
+        self.cur_tok = torch.zeros(s, dtype=torch.long, device=d)
+        self.pos = torch.zeros(s, dtype=torch.long, device=d)  # position of cur_tok
+        self.n_gen = torch.zeros(s, dtype=torch.long, device=d)
+        self.max_gen = torch.zeros(s, dtype=torch.long, device=d)
+        self.temp = torch.ones(s, device=d)
+        self.top_p = torch.ones(s, device=d)
+        self.top_k = torch.zeros(s, dtype=torch.long, device=d)
+        self.abort = torch.zeros(s, dtype=torch.bool, device=d)
+        self.stop_ids = torch.full((s, 1), -1, dtype=torch.long, device=d)
+        self.out_tok = torch.zeros(s, max_len, dtype=torch.long, device=d)
+        self.out_lp = torch.zeros(s, max_len, device=d)
+        self.out_ver = torch.zeros(s, max_len, dtype=torch.int32, device=d)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free(self) -> int:
+        return self.max_slots - len(self.rows)
+
+    def _per_row(self) -> list[torch.Tensor]:
+        return [
+            self.cur_tok,
+            self.pos,
+            self.n_gen,
+            self.max_gen,
+            self.temp,
+            self.top_p,
+            self.top_k,
+            self.abort,
+            self.stop_ids,
+            self.out_tok,
+            self.out_lp,
+            self.out_ver,
+        ]
+
+    def add_rows(self, rows: list[Row], prompt_lens: list[int]) -> torch.Tensor:
+        """Append rows (prefilled elsewhere); returns their row indices (M,)."""
+        start = len(self.rows)
+        idx = torch.arange(start, start + len(rows), device=self.pos.device)
+        width = max(len(r.pending.stop_ids) for r in rows)
+        if width > self.stop_ids.shape[1]:
+            pad = torch.full((self.max_slots, width - self.stop_ids.shape[1]), -1, dtype=torch.long)
+            self.stop_ids = torch.cat([self.stop_ids, pad.to(self.stop_ids.device)], dim=1)
+        for i, (row, plen) in enumerate(zip(rows, prompt_lens, strict=True)):
+            p, j = row.pending.request.sampling, start + i
+            self.max_gen[j] = min(p.max_new_tokens, self.max_len - plen)
+            self.pos[j] = plen - 1
+            self.temp[j], self.top_p[j], self.top_k[j] = p.temperature, p.top_p, p.top_k
+            self.stop_ids[j] = -1
+            self.stop_ids[j, : len(row.pending.stop_ids)] = torch.tensor(row.pending.stop_ids)
+        self.n_gen[idx] = 0
+        self.abort[idx] = False
+        self.rows.extend(rows)
+        self._n_stop_strings += sum(bool(r.pending.checker.stop) for r in rows)
+        self._n_seeded += sum(r.generator is not None for r in rows)
+        return idx
+
+    def generators(self, rows: torch.Tensor | None = None) -> dict[int, torch.Generator]:
+        """Private generators by position in `rows` (default: all running rows)."""
+        if not self._n_seeded:
+            return {}
+        if rows is None:
+            return {i: r.generator for i, r in enumerate(self.rows) if r.generator is not None}
+        out = {}
+        for i, j in enumerate(rows.tolist()):
+            if self.rows[j].generator is not None:
+                out[i] = self.rows[j].generator
+        return out
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, version: int):
+        """Store the sampled tokens (M,) of `rows` (M,) and advance them."""
+        n = self.n_gen[rows]
+        self.out_tok[rows, n] = tokens
+        self.out_lp[rows, n] = lps
+        self.out_ver[rows, n] = version
+        self.n_gen[rows] = n + 1
+        self.pos[rows] += 1
+        self.cur_tok[rows] = tokens
+
+    def finished_rows(self) -> list[int]:
+        """Rows that hit max tokens, a stop token, a stop string, or were aborted."""
+        b = len(self.rows)
+        if b == 0:
+            return []
+        tok = self.cur_tok[:b, None]
+        done = (self.n_gen[:b] >= self.max_gen[:b]) | self.abort[:b]
+        done |= (tok == self.stop_ids[:b]).any(dim=1)
+        found = done.nonzero().flatten().tolist()
+        if not self._n_stop_strings:
+            return found
+        for j, row in enumerate(self.rows):
+            if row.pending.checker.stop and j not in found and self._hit_stop_string(j):
+                found.append(j)
+        return found
+
+    def _hit_stop_string(self, j: int) -> bool:
+        ids = self.out_tok[j, : int(self.n_gen[j])].tolist()
+        return self.rows[j].pending.checker.find(ids) >= 0
+
+    def take_output(self, j: int, tokenizer) -> tuple[Row, GenerationOutput]:
+        row, n = self.rows[j], int(self.n_gen[j])
+        ids = self.out_tok[j, :n].tolist()
+        params = row.pending.request.sampling
+        if bool(self.abort[j]):
+            reason = "abort"
+        elif n and (ids[-1] in row.pending.stop_ids or row.pending.checker.find(ids) >= 0):
+            reason = "stop"
+        else:
+            reason = "length"
+        out = make_output(
+            tokenizer,
+            ids,
+            self.out_lp[j, :n].tolist(),
+            self.out_ver[j, :n].tolist(),
+            reason,
+            params.stop,
+        )
+        return row, out
+
+    def compact(self, finished: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop `finished` rows, moving the last live rows into the holes. Returns (src, dst)."""
+        b = len(self.rows)
+        keep_n = b - len(finished)
+        gone = set(finished)
+        self._n_stop_strings -= sum(bool(self.rows[j].pending.checker.stop) for j in gone)
+        self._n_seeded -= sum(self.rows[j].generator is not None for j in gone)
+        holes = [j for j in sorted(gone) if j < keep_n]
+        movers = [j for j in range(keep_n, b) if j not in gone]
+        src = torch.tensor(movers, dtype=torch.long)
+        dst = torch.tensor(holes, dtype=torch.long)
+        if holes:
+            for t in self._per_row():
+                t[dst] = t[src]
+            for h, m in zip(holes, movers, strict=True):
+                self.rows[h] = self.rows[m]
+        del self.rows[keep_n:]
+        return src, dst

@@ -1,0 +1,232 @@
+"""nexrl's OpenAI-compatible HTTP server around any in-process `InferenceEngine`.
+
+`create_app(engine)` returns a FastAPI app; `nexrl.inference.serve` runs it
+with uvicorn. Generation endpoints await `engine.agenerate`, so concurrent
+HTTP requests land in the engine's running batch together. Control endpoints
+(weight update, pause, abort) follow SGLang's names and bodies so that the
+same trainer-side adapter drives SGLang and nexrl. Every error is a JSON body
+`{"error": {"message", "type", "code"}}` with a 4xx status for bad input; the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from nexrl.inference.api_models import (
+    AbortRequest,
+    ChatRequest,
+    CompletionRequest,
+    UpdateWeightsRequest,
+    chat_body,
+    completion_body,
+)
+from nexrl.inference.protocol import GenerationRequest, InferenceEngine, WeightUpdateMeta
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class _Metrics:
+    """Prometheus metrics on a private registry (several apps may live in one process)."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "nexrl_requests", "HTTP generation requests", ["endpoint"], registry=r
+        )
+        self.tokens = Counter("nexrl_generated_tokens", "Generated tokens", registry=r)
+        self.tps = Gauge(
+            "nexrl_tokens_per_second", "Generated tokens/s since last scrape", registry=r
+        )
+        self.occupancy = Gauge("nexrl_batch_occupancy", "Running rows / max batch size", registry=r)
+        self.queue = Gauge("nexrl_queue_length", "Requests waiting for a slot", registry=r)
+        self.version = Gauge("nexrl_weight_version", "Current weight version", registry=r)
+        self._last = (time.monotonic(), 0.0)
+        self._total = 0.0
+
+    def generated(self, n: int) -> None:
+        self.tokens.inc(n)
+        self._total += n
+
+    def render(self) -> bytes:
+        stats = getattr(self.engine, "stats", {}) or {}
+        now, total = time.monotonic(), self._total
+        then, before = self._last
+        self.tps.set((total - before) / max(now - then, 1e-9))
+        self._last = (now, total)
+        max_batch = getattr(self.engine, "max_batch_size", 1) or 1
+        self.occupancy.set(stats.get("running", 0) / max_batch)
+        self.queue.set(stats.get("waiting", 0))
+        self.version.set(self.engine.version)
+        return generate_latest(self.registry)
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": code, "code": status}}, status_code=status
+    )
+
+
+def _auth(api_key: str | None):
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(
+                401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
+            )
+
+    return check
+
+
+def create_app(
+    engine: InferenceEngine, *, model_name: str = "default", api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving `engine` as model `model_name` (also reachable by its path)."""
+    app = FastAPI(title="nexrl inference", dependencies=[Depends(_auth(api_key))])
+    metrics = _Metrics(engine)
+    tokenizer = engine.tokenizer
+    max_len = getattr(engine, "max_model_len", None)
+    names = {model_name, str(getattr(engine, "model_path", model_name))}
+    _install_errors(app)
+
+    def check_model(name: str) -> None:
+        if name not in names:
+            raise APIError(
+                404, f"model {name!r} not found; this server has {model_name!r}", "model_not_found"
+            )
+
+    async def run(ids: list[int], body, default_max: int, endpoint: str):
+        params = body.sampling(default_max)
+        if body.stream:
+            raise APIError(400, "stream=true is not supported; set stream=false")
+        version = engine.version
+        try:
+            resp = await engine.agenerate(GenerationRequest(ids, params, rid=body.rid))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        metrics.requests.labels(endpoint).inc()
+        metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
+        return resp, version
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> JSONResponse:
+        check_model(body.model)
+        ids = _prompt_ids(body.prompt, tokenizer)
+        default_max = 16 if max_len is None else min(16, max(max_len - len(ids), 0))
+        resp, version = await run(ids, body, default_max, "completions")
+        return JSONResponse(completion_body(resp, model_name, version, tokenizer, body.logprobs))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> JSONResponse:
+        check_model(body.model)
+        ids = list(
+            tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True)
+        )
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        default_max = max((max_len or len(ids) + 16) - len(ids), 0)
+        resp, version = await run(ids, body, default_max, "chat")
+        return JSONResponse(chat_body(resp, model_name, version, tokenizer, body.logprobs))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "owned_by": "nexrl", "max_model_len": max_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        if not engine.health():
+            raise APIError(503, "engine is not healthy", "unavailable")
+        stats = dict(getattr(engine, "stats", {}) or {})
+        return {"status": "ok", "weight_version": engine.version, **stats}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    _control_routes(app, engine)
+    return app
+
+
+def _control_routes(app: FastAPI, engine: InferenceEngine) -> None:
+    @app.post("/update_weights_from_disk")
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+        version = body.version
+        if version is None and body.weight_version is not None:
+            version = int(body.weight_version)
+        meta = WeightUpdateMeta(engine.version + 1 if version is None else version, body.model_path)
+        try:
+            await asyncio.to_thread(engine.update_weights, meta)
+        except (FileNotFoundError, KeyError, ValueError, RuntimeError) as exc:
+            raise APIError(400, f"weight update from {body.model_path!r} failed: {exc}") from exc
+        return {"success": True, "message": "weights updated", "version": engine.version}
+
+    @app.post("/pause_generation")
+    async def pause() -> dict[str, Any]:
+        await asyncio.to_thread(engine.pause)
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    async def resume() -> dict[str, Any]:
+        await asyncio.to_thread(engine.resume)
+        return {"success": True}
+
+    @app.post("/abort_request")
+    async def abort(body: AbortRequest) -> dict[str, Any]:
+        await asyncio.to_thread(engine.abort, None if body.abort_all else body.rid)
+        return {"success": True}
+
+
+def _prompt_ids(prompt: str | list[int] | list[str], tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: batches of several prompts are not supported; send one")
+        return list(tokenizer(prompt[0], add_special_tokens=False)["input_ids"])
+    vocab = len(tokenizer)
+    bad = [t for t in prompt if not 0 <= int(t) < vocab]
+    if bad:
+        raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return [int(t) for t in prompt]
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{where or 'body'}: {err.get('msg')}")
+        return _error(400, "invalid request: " + "; ".join(parts), "invalid_request_error")
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return _error(400, f"malformed JSON: {exc}", "invalid_request_error")

@@ -1,0 +1,72 @@
+"""Loading models and new weights into a running engine.
+
+Both engines keep the `transformers` model that `from_pretrained` built and
+copy new weights into its parameters in place (`load_state_dict`), so any view
+an engine holds on those parameters stays valid. Weights come from a state
+dict in memory or from a directory of `*.safetensors` files (an HF
+checkpoint); nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nexrl.inference.protocol import WeightUpdateMeta
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model_and_tokenizer(model_path: str | Path, dtype: str | torch.dtype, device: str):
+    """`from_pretrained` the causal LM and its tokenizer, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path), dtype=resolve_dtype(dtype), attn_implementation="sdpa"
+    )
+    return model.to(device).eval(), tokenizer
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the `*.safetensors` files in `path` (a file path also works)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in weight path {str(path)!r}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def state_dict_from_meta(meta: WeightUpdateMeta) -> dict[str, Any]:
+    if meta.state_dict is not None:
+        return meta.state_dict
+    if meta.path is not None:
+        return read_safetensors_dir(meta.path)
+    raise ValueError("WeightUpdateMeta needs `path` or `state_dict`, both are None")
+
+
+@torch.no_grad()
+def load_weights_into(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Copy `state` into `model` in place. Unknown keys are an error; tied weights may be absent."""
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise KeyError(f"weight update has unknown keys: {result.unexpected_keys[:5]}")
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing and len(missing) == len(list(model.state_dict())):
+        raise KeyError("weight update matched no parameter of the model")

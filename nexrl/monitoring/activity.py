@@ -1,0 +1,242 @@
+"""Activity tracking: what work is in flight, module liveness, counters, logging.
+
+One central `ActivityTracker` lives with the controller; every module holds an
+`ActivityTrackerProxy` that reaches it through `execute`, so the same code
+works when the tracker is a Ray actor. Work is bracketed by `start` -> token ->
+`end(token)`; modules use `proxy.track(module, work)` which does both and
+reports an escaping exception before re-raising it (the error is recorded,
+never swallowed).
+
+Usage order for quiescence: a rollout worker must enter `track(...)` *before*
+it takes a task from the data loader and leave it after the trajectory is in
+the pool; then "loader finished and rollout workers quiescent" means every
+loaded task has arrived, which the trajectory pool's tail-batch rule relies on.
+The `module` string given to `track` must be the name passed to
+`register_module` for `is_rollout_worker_quiescent` to see it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from nexrl.distributed.execute import execute
+from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
+from nexrl.monitoring.loggers import ExperimentLogger
+
+logger = logging.getLogger(__name__)
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part) if hasattr(node, "get") else None
+    return default if node is None else node
+
+
+def build_experiment_logger(config: Any) -> ExperimentLogger:
+    """From the root config: `logger.{backend,run_dir,console_keys}`, project/experiment
+    names and `train_worker.total_train_steps` (the console's ETA)."""
+    keys = _get(config, "logger.console_keys")
+    return ExperimentLogger(
+        backends=_get(config, "logger.backend"),
+        run_dir=_get(config, "logger.run_dir"),
+        project_name=_get(config, "project_name", "nexrl"),
+        experiment_name=_get(config, "experiment_name"),
+        total_steps=_get(config, "train_worker.total_train_steps"),
+        console_keys=list(keys) if keys is not None else None,
+    )
+
+
+class ActivityTracker:
+    """Central, thread-safe record of in-flight work, errors, counters and the train step."""
+
+    def __init__(
+        self,
+        config: Any = None,
+        max_errors: int = 1000,
+        experiment_logger: ExperimentLogger | None = None,
+    ) -> None:
+        self._cond = threading.Condition()
+        self._inflight: dict[str, tuple[str, str, float]] = {}  # token -> (module, work, t0)
+        self._ids = itertools.count()
+        self._module_refs: dict[str, Any] = {}
+        self._rollout_workers: set[str] = set()
+        self._dead_modules: list[str] = []
+        self._counters: dict[str, int] = {}
+        self._training_step = 0
+        self.error_reporter = ErrorReporter(max_errors=max_errors)
+        self.experiment_logger = experiment_logger or build_experiment_logger(config or {})
+
+    # ---- activity -------------------------------------------------------
+    def start(self, module: str, work: str) -> str:
+        token = f"{module}:{next(self._ids)}"
+        with self._cond:
+            self._inflight[token] = (module, work, time.monotonic())
+        return token
+
+    def end(self, token: str) -> None:
+        with self._cond:
+            if self._inflight.pop(token, None) is None:
+                raise ValueError(f"ActivityTracker.end: unknown or already ended token {token!r}")
+            self._cond.notify_all()
+
+    def is_quiescent(self) -> bool:
+        with self._cond:
+            return not self._inflight
+
+    def wait_quiescent(self, timeout: float | None = None) -> bool:
+        """Block until no work is in flight; False if `timeout` seconds pass first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._inflight, timeout=timeout)
+
+    def get_running_status_summary(self) -> str:
+        now = time.monotonic()
+        with self._cond:
+            items = sorted(self._inflight.values(), key=lambda x: x[2])
+        if not items:
+            return "quiescent: no work in flight"
+        lines = [f"{len(items)} work item(s) in flight:"]
+        lines += [f"  {m}: {w} ({now - t0:.1f}s)" for m, w, t0 in items]
+        return "\n".join(lines)
+
+    # ---- modules --------------------------------------------------------
+    def register_module(self, module_name: str, module_ref: Any, is_rollout_worker: bool = False):
+        with self._cond:
+            self._module_refs[module_name] = module_ref
+            if is_rollout_worker:
+                self._rollout_workers.add(module_name)
+
+    def is_rollout_worker_quiescent(self) -> bool:
+        with self._cond:
+            return not any(m in self._rollout_workers for m, _, _ in self._inflight.values())
+
+    def check_module_liveness(self, timeout: float = 5.0) -> bool:
+        """Call every registered module's `health_check`; raising or False = dead."""
+        with self._cond:
+            refs = dict(self._module_refs)
+        dead = []
+        for name, ref in refs.items():
+            try:
+                alive = execute(ref.health_check, timeout=timeout)
+            except Exception as exc:  # a dead module is the answer, not an error here
+                logger.warning("module %s failed its health check: %r", name, exc)
+                alive = False
+            if not alive:
+                dead.append(name)
+        with self._cond:
+            self._dead_modules = dead
+        return not dead
+
+    def get_dead_modules(self) -> list[str]:
+        """Modules found dead by the last `check_module_liveness` call."""
+        with self._cond:
+            return list(self._dead_modules)
+
+    # ---- errors ---------------------------------------------------------
+    def report_exception(
+        self,
+        module: str,
+        work: str,
+        exception: BaseException,
+        severity: ErrorSeverity | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> str:
+        return self.error_reporter.report_exception(
+            module, work, exception, severity or ErrorSeverity.ERROR, details
+        )
+
+    def report_error(
+        self,
+        module: str,
+        work: str,
+        message: str,
+        severity: ErrorSeverity | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> str:
+        return self.error_reporter.report_error(
+            module, work, message, severity or ErrorSeverity.ERROR, details
+        )
+
+    def get_error_health_status(self) -> dict[str, Any]:
+        return self.error_reporter.get_health_status()
+
+    # ---- counters, step, logging -----------------------------------------
+    def increment(self, name: str, n: int = 1) -> int:
+        with self._cond:
+            self._counters[name] = self._counters.get(name, 0) + n
+            return self._counters[name]
+
+    def get_counters(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._counters)
+
+    def set_training_step(self, step: int) -> None:
+        with self._cond:
+            self._training_step = int(step)
+
+    def get_training_step(self) -> int:
+        with self._cond:
+            return self._training_step
+
+    def experiment_logger_post(self, backend: str, **kwargs: Any) -> None:
+        """Forward to `ExperimentLogger.post`; `step` defaults to the training step."""
+        kwargs.setdefault("step", self.get_training_step())
+        self.experiment_logger.post(backend, **kwargs)
+
+    def close(self) -> None:
+        self.experiment_logger.close()
+
+
+class ActivityTrackerProxy:
+    """What a module holds: forwards to the central tracker through `execute`."""
+
+    def __init__(self, central_tracker: Any) -> None:
+        self._central = central_tracker
+
+    @contextmanager
+    def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
+        """Mark `work` in flight; an exception is reported (if asked) and re-raised."""
+        token = execute(self._central.start, module, work)
+        try:
+            yield
+        except Exception as exc:
+            if auto_report_errors:
+                execute(self._central.report_exception, module, work, exc)
+            raise
+        finally:
+            execute(self._central.end, token)
+
+    def is_quiescent(self) -> bool:
+        return execute(self._central.is_quiescent)
+
+    def is_rollout_worker_quiescent(self) -> bool:
+        return execute(self._central.is_rollout_worker_quiescent)
+
+    def report_exception(self, module: str, work: str, exception: BaseException, severity=None):
+        return execute(self._central.report_exception, module, work, exception, severity)
+
+    def report_error(self, module: str, work: str, message: str, severity=None, details=None):
+        return execute(self._central.report_error, module, work, message, severity, details)
+
+    def increment(self, name: str, n: int = 1) -> int:
+        return execute(self._central.increment, name, n)
+
+    def get_counters(self) -> dict[str, int]:
+        return execute(self._central.get_counters)
+
+    def set_training_step(self, step: int) -> None:
+        execute(self._central.set_training_step, step)
+
+    def get_training_step(self) -> int:
+        return execute(self._central.get_training_step)
+
+    def experiment_logger_post(self, backend: str, **kwargs: Any) -> None:
+        execute(self._central.experiment_logger_post, backend, **kwargs)

@@ -1,0 +1,61 @@
+"""`TrainBatchPool`: FIFO queues of processed batches, one per model tag.
+
+The algorithm processor puts batches (with the name of the update function
+the trainer should apply); the train worker takes them in arrival order. The
+update function travels in `batch.metadata["update_fn"]` so that `get_batch`
+returns a plain `Batch`, as in seed 000.
+
+Config keys (defaults): `max_size` (None: unbounded; else `put_batch` returns
+False when that model tag already holds `max_size` batches).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from nexrl.module import NexRLModule
+from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag
+
+
+class TrainBatchPool(NexRLModule):
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        config = config if config is not None else {}
+        max_size = config.get("max_size", None)
+        self._max_size = None if max_size is None else int(max_size)
+        self._queues: dict[ModelTag, deque[Batch]] = {}
+        self._lock = threading.Lock()
+
+    def put_batch(self, batch: Batch, update_fn: str = "default") -> bool:
+        """Queue `batch` under `batch.metadata["model_tag"]`; False if that queue is full."""
+        tag = batch.metadata.get("model_tag") or DEFAULT_MODEL_TAG
+        with self._lock:
+            queue = self._queues.setdefault(tag, deque())
+            if self._max_size is not None and len(queue) >= self._max_size:
+                return False
+            batch.metadata["update_fn"] = update_fn
+            queue.append(batch)
+            return True
+
+    def get_batch(self, model: ModelTag | None = DEFAULT_MODEL_TAG) -> Batch | None:
+        """The oldest batch of `model` (None: of any model), or None if there is none."""
+        with self._lock:
+            if model is None:
+                queue = next((q for q in self._queues.values() if q), None)
+            else:
+                queue = self._queues.get(model)
+            return queue.popleft() if queue else None
+
+    def is_empty(self) -> bool:
+        with self._lock:
+            return not any(self._queues.values())
+
+    def qsize(self, model: ModelTag | None = None) -> int:
+        """Batches waiting for `model`, or for all models."""
+        with self._lock:
+            if model is not None:
+                return len(self._queues.get(model, ()))
+            return sum(len(q) for q in self._queues.values())

@@ -1,0 +1,166 @@
+"""`TrainServiceClient`: what the TrainWorker holds to reach a train engine.
+
+Two backends behind one class, chosen by `service.train_service.backend`:
+
+- "builtin" (default): a `TorchTrainEngine` in this process;
+- "remote": the HTTP train service (`nexrl train-service`) at `url`.
+
+The client adds only transport concerns (timeouts, retries, auth); no
+algorithm logic. Retries: calls that do not change state (logprobs, export,
+save, load) retry on any transport error; `train_batch` retries only when the
+connection could not be made, so an optimizer step is never applied twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import torch
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from nexrl.training import wire
+from nexrl.training.config import EngineConfig
+from nexrl.types import Batch
+
+BACKENDS = ("builtin", "remote")
+CLIENT_KEYS = {"backend", "url", "api_key", "model_tag", "timeout", "max_retries", "identifier"}
+
+
+class TrainServiceClient:
+    """Train engine handle: in-process ("builtin") or over HTTP ("remote")."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        engine_config: Mapping[str, Any] | EngineConfig,
+        model_path: str,
+    ) -> None:
+        cfg = dict(config or {})
+        unknown = sorted(set(cfg) - CLIENT_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown train_service key(s) {unknown}; valid: {sorted(CLIENT_KEYS)}"
+            )
+        self.backend = cfg.get("backend") or "builtin"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"train_service.backend={self.backend!r}; choose one of {BACKENDS}")
+        if self.backend == "remote" and not cfg.get("url"):
+            raise ValueError("train_service.backend='remote' needs train_service.url")
+        self.config = cfg
+        self.engine_config = EngineConfig.from_mapping(engine_config)
+        self.model_path = str(model_path)
+        self.model_tag = cfg.get("model_tag", "default")
+        self._engine: Any = None
+        self._http: _Http | None = None
+
+    def initialize(self) -> None:
+        """Build the in-process engine, or check that the remote service answers."""
+        if self.backend == "builtin":
+            from nexrl.training.torch_engine import TorchTrainEngine
+
+            self._engine = TorchTrainEngine(self.engine_config, self.model_path)
+        else:
+            self._http = _Http(self.config)
+            self._http.json("GET", "/health", idempotent=True)
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        """(B, T) logprobs under the current weights."""
+        if self._engine is not None:
+            return self._engine.compute_logprobs(batch)
+        return self._remote().tensors("/compute_logprobs", wire.pack_batch(batch))["logprobs"]
+
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        """(B, T) logprobs under the reference model; None when none is configured."""
+        if self._engine is not None:
+            return self._engine.compute_ref_logprobs(batch)
+        out = self._remote().tensors("/compute_ref_logprobs", wire.pack_batch(batch))
+        return None if out is None else out["logprobs"]
+
+    def train_batch(
+        self, batch: Batch, loss_fn: str, loss_kwargs: dict[str, Any]
+    ) -> dict[str, float]:
+        """One optimizer step; returns the engine's metrics."""
+        if self._engine is not None:
+            return self._engine.train_batch(batch, loss_fn, loss_kwargs)
+        body = wire.pack_batch(batch, {"loss_fn": loss_fn, "loss_kwargs": dict(loss_kwargs or {})})
+        return self._remote().json("POST", "/train_batch", content=body, idempotent=False)
+
+    def save_checkpoint(self, path: str) -> None:
+        if self._engine is not None:
+            return self._engine.save(path)
+        self._remote().json("POST", "/save", json={"path": path}, idempotent=True)
+
+    def load_checkpoint(self, path: str) -> None:
+        if self._engine is not None:
+            return self._engine.load(path)
+        self._remote().json("POST", "/load", json={"path": path}, idempotent=True)
+
+    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+        """State dict (CPU tensors), or the HF directory written at `path`."""
+        if self._engine is not None:
+            return self._engine.export_weights(path)
+        if path is not None:
+            out = self._remote().json(
+                "POST", "/export_weights", json={"path": path}, idempotent=True
+            )
+            return out["path"]
+        return self._remote().tensors("/export_weights", None, json={"path": None})
+
+    def get_step(self) -> int:
+        if self._engine is not None:
+            return self._engine.step
+        return int(self._remote().json("GET", "/health", idempotent=True)["step"])
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+
+    def _remote(self) -> _Http:
+        if self._http is None:
+            raise RuntimeError("TrainServiceClient.initialize() was not called")
+        return self._http
+
+
+class _Http:
+    """httpx client with auth, timeout and tenacity retries."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        headers = {"authorization": f"Bearer {cfg['api_key']}"} if cfg.get("api_key") else {}
+        self.client = httpx.Client(
+            base_url=str(cfg["url"]).rstrip("/"),
+            headers=headers,
+            timeout=float(cfg.get("timeout") or 600.0),
+        )
+        self.attempts = int(cfg.get("max_retries") if cfg.get("max_retries") is not None else 3) + 1
+
+    def request(self, method: str, path: str, idempotent: bool, **kw: Any) -> httpx.Response:
+        errors = httpx.TransportError if idempotent else httpx.ConnectError
+        call = retry(
+            retry=retry_if_exception_type(errors),
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=0.2, max=5.0),
+            reraise=True,
+        )(self.client.request)
+        response = call(method, path, **kw)
+        if response.status_code >= 400:
+            raise RuntimeError(
+                f"train service {method} {path} failed "
+                f"({response.status_code}): {response.text[:500]}"
+            )
+        return response
+
+    def json(self, method: str, path: str, idempotent: bool, **kw: Any) -> Any:
+        return self.request(method, path, idempotent, **kw).json()
+
+    def tensors(self, path: str, body: bytes | None, **kw: Any) -> dict[str, torch.Tensor] | None:
+        if body is not None:
+            kw["content"] = body
+        response = self.request("POST", path, True, **kw)
+        if response.status_code == 204:
+            return None
+        return wire.unpack(response.content)[0]
+
+    def close(self) -> None:
+        self.client.close()

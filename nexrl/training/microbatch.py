@@ -1,0 +1,107 @@
+"""Micro-batches by token budget, padding-free packing and token logprobs.
+
+A step's rows are split greedily, in order, into micro-batches whose real
+token count fits `micro_batch_tokens` (a row longer than the budget gets a
+micro-batch of its own). Each micro-batch runs the model either
+
+- packed: the real tokens of every row concatenated into one (1, L) sequence,
+  `position_ids` restarting at 0 for each row; HF builds a block-diagonal
+  causal mask from those position ids, so no FLOP is spent on padding; or
+- padded: the rows as they are, minus the columns that are padding in every row.
+
+Either way the per-token outputs are scattered back onto the (b, T) grid of
+the batch, so the loss always sees the layout of `nexrl.types` and
+aggregation (which may depend on T) is identical in both modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def split_by_tokens(attention_mask: torch.Tensor, budget: int) -> list[list[int]]:
+    """Row indices of each micro-batch; real tokens per micro-batch <= budget (or one row)."""
+    lengths = attention_mask.sum(-1).tolist()  # (B,)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if current and used + n > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += int(n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclass
+class ModelInputs:
+    """What the model sees for one micro-batch, and how to map outputs back."""
+
+    input_ids: torch.Tensor  # (1, L) packed or (b, T') padded
+    position_ids: torch.Tensor  # same shape as input_ids
+    attention_mask: torch.Tensor | None  # None when packed
+    grid_mask: torch.Tensor  # (b, T) bool, real tokens of the micro-batch
+    packed: bool
+
+
+def make_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool) -> ModelInputs:
+    """Model inputs for rows `input_ids` (b, T) with `attention_mask` (b, T)."""
+    grid = attention_mask.bool()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
+    if packed:
+        return ModelInputs(
+            input_ids=input_ids[grid][None],  # (1, L)
+            position_ids=positions[grid][None],
+            attention_mask=None,
+            grid_mask=grid,
+            packed=True,
+        )
+    width = int(grid.any(0).nonzero().max()) + 1 if grid.any() else 1
+    return ModelInputs(
+        input_ids=input_ids[:, :width],
+        position_ids=positions[:, :width],
+        attention_mask=attention_mask[:, :width].long(),
+        grid_mask=grid,
+        packed=False,
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # (N, L, V)
+    inputs: ModelInputs,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(b, T) logprob of each token given its prefix (0 at each row start / off-mask).
+
+    Differentiable; computed in float32 via logsumexp (no (L, V) log_softmax copy).
+    Entropy at t is the entropy of the distribution that predicted token t.
+    """
+    ids = inputs.input_ids
+    pred = logits[:, :-1].float()  # (N, L-1, V) predicts ids[:, 1:]
+    lse = torch.logsumexp(pred, dim=-1)  # (N, L-1)
+    picked = pred.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    valid = inputs.position_ids[:, 1:] > 0  # a row start has no prediction
+    lp = torch.nn.functional.pad((picked - lse) * valid, (1, 0))  # (N, L)
+    ent = None
+    if with_entropy:
+        probs = torch.softmax(pred, dim=-1)
+        ent_next = lse - (probs * pred).sum(-1)
+        ent = torch.nn.functional.pad(ent_next * valid, (1, 0))
+    return to_grid(lp, inputs), (to_grid(ent, inputs) if ent is not None else None)
+
+
+def to_grid(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+    """Scatter per-token model outputs onto the (b, T) grid, zeros off-mask (differentiable)."""
+    grid = inputs.grid_mask
+    if inputs.packed:
+        flat = values[0]  # (L,)
+    else:
+        width = values.shape[1]
+        flat = values[grid[:, :width]]
+    out = values.new_zeros(grid.shape)
+    return out.masked_scatter(grid, flat)

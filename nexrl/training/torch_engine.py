@@ -1,0 +1,318 @@
+"""The built-in `TrainEngine`: a Hugging Face causal LM trained with plain torch.
+
+Algorithm-blind: `train_batch` receives token-level tensors (layout in
+`nexrl.types`) and the name of a loss that `nexrl.algorithms.objective.compute_loss`
+resolves. What the engine owns is the machinery: micro-batches by token
+budget with padding-free packing (`microbatch.py`), gradient accumulation with
+*global* normalisers so that accumulation and data parallelism (`parallel.py`)
+give the gradient of one big batch, clipping, AdamW, LR schedules from
+`transformers.get_scheduler`, and exact checkpoints (`checkpoint.py`).
+
+Simplifications: master weights and optimizer state are always float32;
+"bf16" means autocast. Pipeline / tensor parallelism are out of scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections import defaultdict
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from nexrl.algorithms.objective import compute_loss
+from nexrl.training import checkpoint
+from nexrl.training.config import EngineConfig
+from nexrl.training.microbatch import make_inputs, split_by_tokens, token_logprobs
+from nexrl.training.parallel import all_reduce_sum, init_from_env, wrap_model
+from nexrl.types import Batch
+
+TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask")
+SUMMED_METRICS = ("loss", "entropy")  # plus every name ending in "_loss"
+
+
+class TorchTrainEngine:
+    """One rank of the torch engine (SPMD: with WORLD_SIZE > 1, build one per rank)."""
+
+    def __init__(self, config: EngineConfig | dict[str, Any], model_path: str) -> None:
+        self.config = EngineConfig.from_mapping(config)
+        self.model_path = str(model_path)
+        self.device = _pick_device()
+        self.rank, self.world_size = init_from_env(self.device)
+        _seed_everything(self.config.seed, self.config.deterministic)
+        self.packing = self.config.packing_enabled()
+        self.autocast_dtype = _autocast_dtype(self.config.dtype, self.device)
+        self.model = self._load_model(self.model_path, trainable=True)
+        self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.config.eps,
+            weight_decay=self.config.weight_decay,
+        )
+        self.scheduler = _make_scheduler(self.optimizer, self.config)
+        self.ref_model = None
+        if self.config.ref_model_path:
+            self.ref_model = self._load_model(self.config.ref_model_path, trainable=False)
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # ---------------------------------------------------------------- forward
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        """(B, T) float32 CPU logprob of each token under the current weights."""
+        return self._no_grad_pass(self.model, batch, entropy=False)[0]
+
+    @torch.no_grad()
+    def compute_entropy(self, batch: Batch) -> torch.Tensor:
+        """(B, T) entropy of the distribution that predicted each token (0 at t = 0)."""
+        return self._no_grad_pass(self.model, batch, entropy=True)[1]
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        """(B, T) logprobs under the frozen reference model; None when none is configured."""
+        if self.ref_model is None:
+            return None
+        return self._no_grad_pass(self.ref_model, batch, entropy=False)[0]
+
+    def _no_grad_pass(self, model, batch: Batch, entropy: bool):
+        values = _tensors(batch, ("input_ids", "attention_mask"), self.device)
+        shape = values["input_ids"].shape
+        lp_out = torch.zeros(shape, dtype=torch.float32)
+        ent_out = torch.zeros(shape, dtype=torch.float32) if entropy else None
+        was_training = model.training
+        model.eval()
+        for rows, weight in self._micro_batches(values["attention_mask"]):
+            mb = {k: v[rows] for k, v in values.items()}
+            lp, ent = self._logprobs(model, mb, entropy)
+            if not weight:
+                continue
+            lp_out[rows] = lp.cpu()
+            if ent_out is not None:
+                ent_out[rows] = ent.cpu()
+        model.train(was_training)
+        return lp_out, ent_out
+
+    def _logprobs(self, module, mb: dict[str, torch.Tensor], entropy: bool):
+        inputs = make_inputs(mb["input_ids"], mb["attention_mask"], self.packing)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = module(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+                use_cache=False,
+            ).logits
+        return token_logprobs(logits, inputs, with_entropy=entropy)
+
+    # ---------------------------------------------------------------- training
+
+    def train_batch(
+        self, batch: Batch, loss_fn: str, loss_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's `batch` with the registered loss `loss_fn`.
+
+        `loss_kwargs` go to `compute_loss` (agg_mode, clip ranges, entropy_coef, ...).
+        Returns loss, grad_norm, lr, tokens, loss_tokens, num_seqs and the loss's metrics.
+        """
+        loss_kwargs = dict(loss_kwargs or {})
+        values = _tensors(batch, TRAIN_KEYS, self.device)
+        mask = values["loss_mask"].float()
+        totals = all_reduce_sum(
+            torch.stack(
+                [
+                    mask.sum(),
+                    (mask.sum(-1) > 0).sum().float(),
+                    values["attention_mask"].sum().float(),
+                ]
+            )
+        )
+        micro = self._micro_batches(values["attention_mask"])
+        want_entropy = self.config.entropy or bool(loss_kwargs.get("entropy_coef"))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        for k, (rows, weight) in enumerate(micro):
+            mb = {name: v[rows] for name, v in values.items()}
+            with self._sync_context(last=k == len(micro) - 1):
+                lp, ent = self._logprobs(self.train_module, mb, want_entropy)
+                loss, metrics = compute_loss(
+                    lp,
+                    mb,
+                    loss_fn=loss_fn,
+                    entropy=ent,
+                    num_tokens=totals[0],
+                    num_seqs=totals[1],
+                    **loss_kwargs,
+                )
+                (loss * (weight * self.world_size)).backward()
+            if weight:
+                _accumulate(sums, loss, metrics, float(mb["loss_mask"].sum()))
+        return self._finish_step(sums, totals)
+
+    def _micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[list[int], float]]:
+        """(rows, weight) per micro-batch. Every rank runs the same number of forwards
+        (FSDP2 / DDP collectives must pair up): a rank with fewer pads with weight-0
+        repeats of its first row."""
+        groups = split_by_tokens(attention_mask, self.config.micro_batch_tokens)
+        if not groups:
+            raise ValueError("empty batch: a data-parallel rank needs at least one row")
+        n = _all_reduce_max(len(groups), self.device)
+        return [(g, 1.0) for g in groups] + [(groups[0][:1], 0.0)] * (n - len(groups))
+
+    def _finish_step(self, sums: dict[str, float], totals: torch.Tensor) -> dict[str, float]:
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self._step += 1
+        metrics = _reduce_metrics(sums, float(totals[0]), totals.device)
+        metrics.update(
+            grad_norm=float(grad_norm),
+            lr=float(lr),
+            tokens=float(totals[2]),
+            loss_tokens=float(totals[0]),
+            num_seqs=float(totals[1]),
+            step=float(self._step),
+        )
+        return metrics
+
+    def _sync_context(self, last: bool):
+        no_sync = getattr(self.train_module, "no_sync", None)
+        if no_sync is not None and not last:
+            return no_sync()
+        set_sync = getattr(self.train_module, "set_requires_gradient_sync", None)
+        if set_sync is not None:
+            set_sync(last)
+        return contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- weights
+
+    def save(self, path: str) -> None:
+        """HF safetensors weights + tokenizer + optimizer/scheduler/RNG/step under `path`."""
+        checkpoint.save(self, path)
+
+    def load(self, path: str) -> None:
+        """Restore weights, optimizer, scheduler, RNG and step written by `save`."""
+        checkpoint.load(self, path)
+
+    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+        """Full state dict as CPU tensors, or an HF directory written at `path` (returned)."""
+        state = checkpoint.full_model_state(self.model)
+        if path is None:
+            return state
+        checkpoint.write_hf(self, path, state)
+        return path
+
+    def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
+        kwargs = dict(self.config.extra)
+        if self.config.attn_implementation:
+            kwargs["attn_implementation"] = self.config.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        model.to(self.device)
+        if trainable and self.config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        if not trainable:
+            model.eval().requires_grad_(False)
+        return model
+
+
+def _tensors(batch: Batch, required: tuple[str, ...], device: torch.device):
+    """Tensor values of `batch` on `device`, checking required keys and (B, T) shapes."""
+    values = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
+    missing = [k for k in required if k not in values]
+    if missing:
+        raise KeyError(f"batch lacks tensor field(s) {missing}; it has {sorted(values)}")
+    shape = values["input_ids"].shape
+    for k, v in values.items():
+        if v.dim() == 2 and v.shape != shape:
+            raise ValueError(
+                f"batch field {k!r} has shape {tuple(v.shape)}, input_ids has {tuple(shape)}"
+            )
+    return {k: v.to(device) for k, v in values.items() if v.dim() >= 1 and v.shape[0] == shape[0]}
+
+
+def _accumulate(sums, loss, metrics, tokens: float) -> None:
+    sums["loss"] += float(loss.detach())
+    sums["_tokens"] += tokens
+    for name, value in metrics.items():
+        v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if name in SUMMED_METRICS or name.endswith("_loss"):
+            sums[name] += v
+        else:
+            sums[f"_w_{name}"] += v * tokens
+
+
+def _reduce_metrics(
+    sums: dict[str, float], global_tokens: float, device: torch.device
+) -> dict[str, float]:
+    """Sum normalised losses over ranks; token-weighted mean of the other metrics."""
+    names = sorted(sums)
+    reduced = all_reduce_sum(
+        torch.tensor([sums[n] for n in names], dtype=torch.float64, device=device)
+    )
+    out: dict[str, float] = {}
+    for name, value in zip(names, reduced.tolist(), strict=True):
+        if name.startswith("_w_"):
+            out[name[3:]] = value / max(global_tokens, 1.0)
+        elif not name.startswith("_"):
+            out[name] = value
+    return out
+
+
+def _all_reduce_max(n: int, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return n
+    t = torch.tensor([n], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return None if name == "float32" else getattr(torch, name)
+
+
+def _seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def _make_scheduler(optimizer: torch.optim.Optimizer, config: EngineConfig):
+    if config.lr_schedule == "cosine":
+        return get_scheduler(
+            "cosine_with_min_lr",
+            optimizer,
+            num_warmup_steps=config.warmup_steps,
+            num_training_steps=config.total_steps,
+            scheduler_specific_kwargs={"min_lr_rate": config.min_lr_ratio},
+        )
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=config.warmup_steps)

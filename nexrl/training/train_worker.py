@@ -1,0 +1,201 @@
+"""TrainWorker: takes processed batches, trains, checkpoints, hands weights on.
+
+Per step: the train side computes the old-policy logprobs of the batch (the
+weights right before this update), runs the configured loss through the
+`TrainServiceClient`, logs metrics, saves `global_step_N` every `save_freq`
+steps, writes the new weights to the sync buffer and notifies the
+WeightSyncController, which pushes them to the inference side.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nexrl.distributed import execute
+from nexrl.module import LoopThread, NexRLModule
+from nexrl.types import DEFAULT_MODEL_TAG, Batch
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "nexrl_state.json"
+
+
+def staleness_metrics(step: int, min_versions: list[int], serving_version: int) -> dict[str, Any]:
+    """Staleness of each sample trained at `step`: `step - min(token_versions)`."""
+    stale = [step - v for v in min_versions]
+    hist = Counter(stale)
+    return {
+        "staleness/min": min(stale),
+        "staleness/mean": statistics.fmean(stale),
+        "staleness/max": max(stale),
+        "staleness/histogram": {str(k): hist[k] for k in sorted(hist)},
+        "rollout/serving_version": serving_version,
+    }
+
+
+def logprob_gap(values: dict[str, Any]) -> float:
+    """Mean |old - behaviour| logprob on policy tokens: 0 when engine and trainer agree."""
+    mask = values["loss_mask"]
+    gap = (values["old_logprobs"] - values["behavior_logprobs"]).abs() * mask
+    return float(gap.sum() / mask.sum().clamp(min=1))
+
+
+def mini_batches(n: int, parts: int) -> list[list[int]]:
+    """Split row indices 0..n-1 into `parts` contiguous slices (groups stay together)."""
+    if parts < 1 or parts > n:
+        raise ValueError(f"algorithm.num_mini_batches={parts} must be in [1, batch size {n}]")
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+class TrainWorker(NexRLModule):
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        train_client: Any,
+        algorithm: Mapping[str, Any],
+        checkpoint_path: str,
+        sync_weight_path: str,
+    ) -> None:
+        super().__init__()
+        self._config = config
+        self._client = train_client
+        self._loss_fn = str(algorithm.get("loss_fn", "ppo_clip"))
+        self._loss_kwargs = {
+            "agg_mode": algorithm.get("loss_agg_mode", "token-mean"),
+            **dict(algorithm.get("loss_kwargs") or {}),
+        }
+        self._num_mini_batches = int(algorithm.get("num_mini_batches", 1))
+        self._ppo_epochs = int(algorithm.get("ppo_epochs", 1))
+        self._total_train_steps = int(config.get("total_train_steps", 0))
+        self._save_freq = int(config.get("save_freq", 0))
+        self._remove_previous = bool(config.get("remove_previous_ckpt", True))
+        self._checkpoint_path = Path(checkpoint_path)
+        self._sync_weight_path = sync_weight_path
+        self._model_tag = DEFAULT_MODEL_TAG
+        self._step = 0
+        self._last_step_end: float | None = None
+        self._train_batch_pool: Any = None
+        self._weight_sync_controller: Any = None
+        self._dataloader: Any = None
+        self._loop = LoopThread("train-worker", self._loop_once)
+
+    def set_module_references(
+        self, train_batch_pool: Any, weight_sync_controller: Any, dataloader: Any = None
+    ) -> None:
+        self._train_batch_pool = train_batch_pool
+        self._weight_sync_controller = weight_sync_controller
+        self._dataloader = dataloader
+
+    def initialize_workers(self) -> None:
+        self._client.initialize()
+
+    def run(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def health_check(self) -> bool:
+        return self._loop.error is None
+
+    def get_train_step(self) -> int:
+        return self._step
+
+    def set_train_step(self, step: int) -> None:
+        self._step = step
+
+    def _get_batch(self) -> Batch | None:
+        return execute(self._train_batch_pool.get_batch, self._model_tag)
+
+    def _loop_once(self) -> bool:
+        if self._total_train_steps and self._step >= self._total_train_steps:
+            return False
+        batch = self._get_batch()
+        if batch is None:
+            return False
+        with self._activity_tracker.track(self._module_name, "train step"):
+            self._step_batch(batch)
+        return True
+
+    def _step_batch(self, batch: Batch) -> None:
+        t0 = time.perf_counter()
+        batch.values["old_logprobs"] = self._client.compute_logprobs(batch)
+        metrics = self._update(batch)
+        metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
+        self._step += 1
+        step = self._step
+        if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
+            self.save_checkpoint()
+        self.export_sync_weights()
+        serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
+        self._log(batch, metrics, t0, serving)
+        self._activity_tracker.set_training_step(step)
+        execute(
+            self._weight_sync_controller.train_worker_notify_weight_update,
+            self._module_name,
+            self._model_tag,
+        )
+
+    def _update(self, batch: Batch) -> dict[str, float]:
+        """`ppo_epochs` passes over `num_mini_batches` slices: one optimizer step per slice.
+
+        Old logprobs stay those of the weights before the first slice, so from the
+        second slice on the policy ratio moves away from 1 and clipping applies.
+        """
+        slices = mini_batches(len(batch), self._num_mini_batches)
+        history: list[dict[str, float]] = []
+        for _ in range(self._ppo_epochs):
+            for rows in slices:
+                part = batch.select(rows) if len(slices) > 1 else batch
+                history.append(self._client.train_batch(part, self._loss_fn, dict(self._loss_kwargs)))
+        return {k: statistics.fmean(h[k] for h in history) for k in history[0]}
+
+    def _log(self, batch: Batch, metrics: dict[str, float], t0: float, serving: int) -> None:
+        now = time.perf_counter()
+        elapsed = now - (self._last_step_end if self._last_step_end is not None else t0)
+        self._last_step_end = now
+        tokens = float(batch.values["attention_mask"].sum())
+        data = {
+            **{f"train/{k}": v for k, v in metrics.items()},
+            **batch.metadata.get("rollout_metrics", {}),
+            **staleness_metrics(self._step - 1, batch.metadata["min_token_versions"], serving),
+            "timing/step_s": elapsed,
+            "timing/train_s": now - t0,
+            "throughput/samples_per_s": len(batch) / elapsed,
+            "throughput/tokens_per_s": tokens / elapsed,
+        }
+        self._activity_tracker.experiment_logger_post(backend="metrics", data=data, step=self._step)
+
+    def export_sync_weights(self) -> str:
+        """Write the current weights to the weight-sync buffer folder."""
+        return self._client.export_weights(self._sync_weight_path)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        path = self._checkpoint_path / f"global_step_{self._step}"
+        self._client.save_checkpoint(str(path))
+        state: dict[str, Any] = {"step": self._step}
+        if self._dataloader is not None and hasattr(self._dataloader, "state_dict"):
+            state["dataloader"] = execute(self._dataloader.state_dict)
+        (path / STATE_FILE).write_text(json.dumps(state))
+        if self._remove_previous:
+            for old in self._checkpoint_path.glob("global_step_*"):
+                if old != path and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved checkpoint %s", path)
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        self._client.load_checkpoint(path)
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+        self._step = int(state["step"])
+        return state

@@ -1,0 +1,30 @@
+"""Shared fixtures: one tiny model per session, built locally (no download)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    from nexrl.models.tiny import build_tiny_qwen2
+
+    return str(build_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nexrl_home(tmp_path_factory):
+    """Keep the embedded default's cache inside the test session."""
+    home = tmp_path_factory.mktemp("nexrl_home")
+    old = os.environ.get("NEXRL_HOME")
+    os.environ["NEXRL_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("NEXRL_HOME", None)
+    else:
+        os.environ["NEXRL_HOME"] = old

@@ -1,0 +1,84 @@
+"""The controller end to end in local mode, on the tiny model, a few steps."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nexrl.controller import NexRLController, TrainingAborted
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_writes_metrics_config_and_checkpoints(small_config):
+    controller = NexRLController(small_config())
+    final = controller.run()
+    run = Path(controller.run_dir)
+    lines = read_metrics(run)
+    assert all("step" in line for line in lines)
+    train_steps = [line["step"] for line in lines if "train/loss" in line]
+    assert train_steps == [1, 2, 3]
+    val_steps = [line["step"] for line in lines if "val/reward" in line]
+    assert val_steps == [0, 2, 3]  # before training, every 2 syncs, and at the end
+    assert 0.0 <= final["val/reward"] <= 1.0
+    assert (run / "config.yaml").exists()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["global_step_3"]  # remove_previous_ckpt keeps the newest only
+    assert (run / "checkpoints" / "global_step_3" / "model.safetensors").exists()
+    step_line = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)
+    assert step_line["staleness/max"] == 0  # sync mode trains on-policy only
+    assert step_line["rollout/serving_version"] == 1
+    assert step_line["train/behavior_old_logprob_absdiff"] < 1e-4
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint(small_config, tmp_path):
+    first = NexRLController(small_config())
+    first.run()
+    again = NexRLController(
+        small_config(
+            "resume.mode=auto",
+            "train_worker.total_train_steps=5",
+            "validate.validate_before_train=false",
+        )
+    )
+    again.run()
+    steps = [line["step"] for line in read_metrics(again.run_dir) if "train/loss" in line]
+    assert steps == [4, 5]
+    assert (Path(again.run_dir) / "checkpoints" / "global_step_5").exists()
+
+
+def failing_reward(prompt, completion, **row):
+    raise RuntimeError("reward server unreachable")
+
+
+def test_raising_reward_stops_the_run_under_stop_on_error(small_config):
+    cfg = small_config(
+        "rollout_worker.reward_fn=tests.integration.core.test_controller:failing_reward"
+    )
+    controller = NexRLController(cfg)
+    with pytest.raises(TrainingAborted, match="reward server unreachable"):
+        controller.run()
+    health = controller.activity_tracker.get_error_health_status()
+    assert health["error_level_count"] >= 1
+
+
+def test_raising_reward_is_counted_not_lost_under_continue(small_config):
+    cfg = small_config(
+        "rollout_worker.reward_fn=tests.integration.core.test_controller:failing_reward",
+        "runtime_monitor.exception_handling.policy=continue",
+        "validate.validate_before_train=true",
+        "train_worker.total_train_steps=1",
+        "data.num_epochs=1",
+        "data.max_items=3",
+        "rollout_worker.max_task_retries=1",
+    )
+    controller = NexRLController(cfg)
+    controller.run()
+    counters = controller.activity_tracker.get_counters()
+    assert counters["tasks_failed/train"] == 3  # every task tried twice, then counted
+    assert counters["tasks_failed/validate"] == 8
+    errors = controller.activity_tracker.error_reporter.get_errors()
+    assert len(errors) == 3 * 2 + 8 * 2
+    assert all("reward server unreachable" in e.message for e in errors)

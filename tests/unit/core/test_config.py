@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nexrl.config import ConfigError, load_config
+from nexrl.config.reference import render
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_default_config_loads_with_seed_sections():
+    cfg = load_config()
+    for section in (
+        "data",
+        "rollout_worker",
+        "trajectory_pool",
+        "algorithm",
+        "train_batch_pool",
+        "train_worker",
+        "weight",
+        "service",
+        "validate",
+        "resume",
+        "logger",
+        "runtime_monitor",
+        "launch_mode",
+    ):
+        assert section in cfg
+    assert cfg.trajectory_pool.group_size == cfg.rollout_worker.group_size
+
+
+def test_override_changes_value():
+    cfg = load_config(["train_worker.total_train_steps=20"])
+    assert cfg.train_worker.total_train_steps == 20
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("data.bogus=1", "data.bogus"),
+        ("train_worker.total_train_steps=abc", "train_worker.total_train_steps"),
+        ("weight.sync_mode=eventually", "weight.sync_mode"),
+        ("runtime_monitor.exception_handling.policy=pray", "policy"),
+        ("launch_mode=cloud", "launch_mode"),
+    ],
+)
+def test_bad_override_names_the_key(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config([override])
+
+
+def test_batch_size_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_config(["trajectory_pool.batch_size=10"])
+
+
+def test_unknown_key_in_user_yaml_is_named(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - rl_train\n  - _self_\ntrain_worker:\n  total_steps: 3\n"
+    )
+    with pytest.raises(ConfigError, match="total_steps"):
+        load_config(config_name="mine", config_dir=tmp_path)
+
+
+def test_user_yaml_inherits_the_default(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - rl_train\n  - _self_\nexperiment_name: mine\n"
+    )
+    cfg = load_config(["seed=3"], config_name="mine", config_dir=tmp_path)
+    assert cfg.experiment_name == "mine" and cfg.seed == 3 and cfg.data.seed == 3
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "nexrl" / "config").rglob("*.yaml")))
+def test_every_shipped_config_loads(path):
+    cfg = load_config(config_name=path.stem, config_dir=path.parent)
+    OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_configuration_reference_is_current():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert doc == render(), "run: python -m nexrl.config.reference > docs/configuration.md"

@@ -1,0 +1,56 @@
+import torch
+
+from nexrl.algorithms.processor import GRPOProcessor, collate, group_index
+from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+from nexrl.pools import TrainBatchPool
+from nexrl.types import Batch
+
+
+def traj(uid, prompt, response, logprobs, reward, version=0):
+    return {
+        "uid": uid,
+        "prompt_ids": prompt,
+        "response_ids": response,
+        "response_logprobs": logprobs,
+        "reward": reward,
+        "finish_reason": "stop",
+        "model_version": version,
+        "token_versions": [version] * len(response),
+    }
+
+
+def test_collate_aligns_response_tensors_with_input_ids():
+    trajs = [traj("a", [5, 6], [7], [-0.5], 1.0), traj("a", [5], [8, 9, 10], [-1, -2, -3], 0.0)]
+    out = collate(trajs, pad_token_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 0], [5, 8, 9, 10]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert out["loss_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 1, 1]]
+    assert out["behavior_logprobs"].tolist() == [[0, 0, -0.5, 0], [0, -1, -2, -3]]
+
+
+def test_collate_keeps_tool_tokens_out_of_the_loss():
+    t = traj("a", [1], [2, 3, 4], [-1, 0, -1], 1.0)
+    t["loss_mask"] = [1, 0, 1]
+    assert collate([t], 0)["loss_mask"].tolist() == [[0, 1, 0, 1]]
+
+
+def test_group_index_follows_first_appearance():
+    assert group_index(["b", "a", "b", "c"]).tolist() == [0, 1, 0, 2]
+
+
+def test_grpo_processor_puts_group_normalised_batch():
+    pool = TrainBatchPool({})
+    proc = GRPOProcessor({"advantage_estimator": "grpo"}, pad_token_id=0)
+    proc.set_activity_tracker(ActivityTrackerProxy(ActivityTracker({})))
+    proc.set_module_references(None, pool)
+    trajs = [traj("a", [1], [2], [-1.0], r, version=3) for r in (1.0, 0.0)]
+    trajs += [traj("b", [1], [2, 3], [-1.0, -1.0], r) for r in (0.5, 0.5)]
+    proc._fit(Batch.from_trajectories(trajs, model_tag="default"), "train")
+    out = pool.get_batch("default")
+    adv = out.values["advantages"]
+    # group a: mean 0.5, std 0.7071 -> +-0.7071 on its one response token; group b: all equal -> 0
+    assert torch.allclose(adv[0], torch.tensor([0.0, 0.70710, 0.0]), atol=1e-4)
+    assert torch.allclose(adv[1], torch.tensor([0.0, -0.70710, 0.0]), atol=1e-4)
+    assert torch.count_nonzero(adv[2:]) == 0
+    assert out.metadata["min_token_versions"] == [3, 3, 0, 0]
+    assert out.metadata["rollout_metrics"]["reward/mean"] == 0.5

@@ -1,0 +1,107 @@
+"""LLMServiceClient in-process: result contract, chat, weight-sync blocking, shared engines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from nexrl.inference.client import (
+    LLMServiceClient,
+    get_local_engine,
+    sampling_from_kwargs,
+    shutdown_local_engines,
+)
+from nexrl.inference.engine import Engine
+from nexrl.inference.hf_engine import HFEngine
+from nexrl.inference.protocol import WeightUpdateMeta
+
+KEYS = {"response", "response_ids", "response_logprobs", "finish_reason", "token_versions"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    eng = Engine(tiny_path, max_batch_size=16)
+    yield eng
+    eng.shutdown()
+
+
+def test_completion_result_contract(engine):
+    client = LLMServiceClient({"backend": "builtin"}, engine=engine)
+    out = client.completion("abc", max_tokens=6, n=2, seed=3, stop_token_ids=[])
+    assert out["prompt"] == "abc"
+    assert out["prompt_ids"] == engine.tokenizer("abc", add_special_tokens=False)["input_ids"]
+    assert len(out["choices"]) == 2 and set(out["choices"][0]) >= KEYS
+    assert {k: out[k] for k in KEYS} == out["choices"][0]
+    assert len(out["response_ids"]) == 6 == len(out["response_logprobs"])
+    assert out["model_version"] == 0 and client.version == 0 and client.model_tag == "default"
+    ids_out = client.completion(prompt_ids=[5, 6, 7], max_tokens=3)
+    assert ids_out["prompt_ids"] == [5, 6, 7] and ids_out["prompt"] is None
+    with pytest.raises(ValueError, match="exactly one"):
+        client.completion("a", prompt_ids=[1])
+
+
+def test_chat_applies_template(engine):
+    client = LLMServiceClient({"backend": "builtin"}, engine=engine)
+    msgs = [{"role": "user", "content": "2+2?"}]
+    out = client.generate(msgs, max_tokens=4, temperature=0)
+    ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    assert out["prompt_ids"] == list(ids) and out["messages"] == msgs
+
+
+class _Controller:
+    def __init__(self) -> None:
+        self.state = "block"
+        self.calls: list[str] = []
+
+    def check_rollout_service_status(self, model_tag: str) -> str:
+        self.calls.append(model_tag)
+        return self.state
+
+
+def test_weight_sync_blocks_until_released(engine):
+    client = LLMServiceClient({"backend": "builtin", "model_tag": "default"}, engine=engine)
+    ctl = _Controller()
+    client.set_weight_sync_controller(ctl)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (client.completion("a", max_tokens=2), done.set()))
+    t.start()
+    time.sleep(0.2)
+    assert not done.is_set() and len(ctl.calls) > 1
+    ctl.state = "continue"
+    t.join(timeout=30)
+    assert done.is_set() and set(ctl.calls) == {"default"}
+
+
+def test_update_weights_through_client(engine, other_weights_path, tiny_path):
+    client = LLMServiceClient({"backend": "builtin"}, engine=engine)
+    a = client.completion(prompt_ids=[5, 6], max_tokens=5, temperature=0)
+    client.update_weights(WeightUpdateMeta(version=1, path=str(other_weights_path)))
+    b = client.completion(prompt_ids=[5, 6], max_tokens=5, temperature=0)
+    assert b["model_version"] == 1 and b["token_versions"] == [1] * len(b["response_ids"])
+    assert b["response_logprobs"] != pytest.approx(a["response_logprobs"], abs=1e-3)
+    client.update_weights(WeightUpdateMeta(version=2, path=str(tiny_path)))
+    c = client.completion(prompt_ids=[5, 6], max_tokens=5, temperature=0)
+    assert c["response_logprobs"] == pytest.approx(a["response_logprobs"], abs=1e-5)
+
+
+def test_local_engine_shared_per_tag(tiny_path):
+    try:
+        cfg = {"backend": "hf", "model": str(tiny_path), "model_tag": "t1"}
+        e1, e2 = get_local_engine(cfg), get_local_engine(dict(cfg))
+        assert e1 is e2 and isinstance(e1, HFEngine)
+        assert LLMServiceClient(cfg)._engine is e1
+        out = LLMServiceClient(cfg).completion("hi", max_tokens=3)
+        assert len(out["response_ids"]) <= 3
+        other = get_local_engine({"backend": "builtin", "model": str(tiny_path), "model_tag": "t2"})
+        assert isinstance(other, Engine) and other is not e1
+    finally:
+        shutdown_local_engines()
+
+
+def test_sampling_from_kwargs_and_bad_backend():
+    p = sampling_from_kwargs({"max_tokens": 7, "stop": "x", "top_k": 5, "n": 2, "seed": 1})
+    assert (p.max_new_tokens, p.stop, p.top_k, p.n, p.seed) == (7, ["x"], 5, 2, 1)
+    with pytest.raises(ValueError, match="backend"):
+        LLMServiceClient({"backend": "tgi"})
