@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         max_tokens=max_tokens,
         quick=args.quick,
+        repeats=repeats,
     )
     write_results(Path(args.out), rows, http, meta)
     print(f"http_vs_inprocess_at_64: {http[1] / http[0]:.2f}")

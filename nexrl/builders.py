@@ -64,6 +64,8 @@ def build_rollout_worker(cfg: DictConfig) -> Any:
         **_plain(cfg.rollout_worker),
         "prompt_key": cfg.data.prompt_key,
         "validate_temperature": cfg.validate.temperature,
+        "enable_partial_rollout": cfg.weight.enable_partial_rollout,
+        "tail_batch_candidate_steps": cfg.weight.tail_batch_candidate_steps,
     }
     client = build_llm_client(cfg)
     kind = section["type"]
@@ -91,7 +93,11 @@ def build_algorithm_processor(cfg: DictConfig) -> Any:
 
     from nexrl.algorithms.processor import GRPOProcessor
 
-    section = {**_plain(cfg.algorithm), "batch_size": cfg.trajectory_pool.batch_size}
+    section = {
+        **_plain(cfg.algorithm),
+        "batch_size": cfg.trajectory_pool.batch_size,
+        "max_tokens": cfg.rollout_worker.max_tokens,
+    }
     pad_id = AutoTokenizer.from_pretrained(cfg.model_path).pad_token_id or 0
     if section["type"] == "grpo":
         return GRPOProcessor(section, pad_token_id=pad_id)
@@ -108,17 +114,31 @@ def build_train_worker(cfg: DictConfig) -> Any:
     return TrainWorker(
         cfg.train_worker,
         client,
-        _plain(cfg.algorithm),
+        async_loss_defaults(_plain(cfg.algorithm), cfg.weight.sync_mode),
         checkpoint_path=cfg.train_worker.checkpoint_path,
         sync_weight_path=cfg.train_worker.sync_weight_path,
     )
 
 
+def async_loss_defaults(algorithm: dict[str, Any], sync_mode: str) -> dict[str, Any]:
+    """Async modes train on samples from older weights: token-level truncated IS
+    (cap 2) by default, unless the user chose an off-policy correction (docs/async.md)."""
+    kwargs = dict(algorithm.get("loss_kwargs") or {})
+    chosen = any(k in kwargs for k in ("tis_level", "decoupled"))
+    if sync_mode != "sync" and not chosen:
+        kwargs.update(tis_level="token", tis_cap=2.0)
+    return {**algorithm, "loss_kwargs": kwargs}
+
+
 def build_weight_sync_controller(cfg: DictConfig) -> Any:
     from nexrl.weight_sync import WeightSyncController
 
+    pool = cfg.trajectory_pool
+    groups_per_batch = max(1, pool.batch_size // pool.group_size) if pool.key_list else None
     return WeightSyncController(
-        cfg.weight, build_llm_client(cfg), cfg.train_worker.sync_weight_path
+        {**_plain(cfg.weight), "groups_per_batch": groups_per_batch},
+        build_llm_client(cfg),
+        cfg.train_worker.sync_weight_path,
     )
 
 

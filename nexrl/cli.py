@@ -33,10 +33,6 @@ def _train(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 2
-    if cfg.launch_mode == "ray":
-        from nexrl.distributed.ray_launch import run_on_ray
-
-        return run_on_ray(cfg)
     controller = NexRLController(cfg)
     print(f"nexrl: run dir {controller.run_dir}", flush=True)
     try:

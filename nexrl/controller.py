@@ -22,9 +22,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from nexrl.distributed import execute
-from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy, should_stop
+from nexrl.monitoring import should_stop
 from nexrl.run_setup import find_latest_checkpoint, find_resume_checkpoint, resolve_run_config
-from nexrl.system import LocalSystem
+from nexrl.system import build_system
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,8 @@ class NexRLController:
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
         self._config = resolve_run_config(config)
         self.run_dir = self._config.run_dir
-        self.activity_tracker = ActivityTracker(self._config)
-        self._proxy = ActivityTrackerProxy(self.activity_tracker)
-        self.system = LocalSystem(self._config, self._proxy, self.activity_tracker)
+        self.system = build_system(self._config)
+        self.activity_tracker = self.system.activity_tracker
         self._tag: ModelTag = DEFAULT_MODEL_TAG
         self._last_validated_step: int | None = None
         self._monitor = self._config.runtime_monitor
@@ -85,7 +84,7 @@ class NexRLController:
         s = self.system
         return (
             execute(s.dataloader.is_finished)
-            and self.activity_tracker.is_quiescent()
+            and execute(self.activity_tracker.is_quiescent)
             and execute(s.trajectory_pool.is_empty)
             and execute(s.train_batch_pool.is_empty)
         )
@@ -93,7 +92,7 @@ class NexRLController:
     def _check_module_exceptions(self) -> bool:
         if not self._monitor.exception_handling.enabled:
             return True
-        health = self.activity_tracker.get_error_health_status()
+        health = execute(self.activity_tracker.get_error_health_status)
         if should_stop(health, self._monitor.exception_handling.policy):
             raise TrainingAborted(
                 f"stopping on reported errors (policy "
@@ -102,9 +101,9 @@ class NexRLController:
         return True
 
     def _check_module_liveness(self, timeout: float = 5.0) -> bool:
-        if not self.activity_tracker.check_module_liveness(timeout):
+        if not execute(self.activity_tracker.check_module_liveness, timeout):
             raise TrainingAborted(
-                "a module died: " + self.activity_tracker.get_running_status_summary()
+                "a module died: " + execute(self.activity_tracker.get_running_status_summary)
             )
         return True
 
@@ -126,8 +125,9 @@ class NexRLController:
             execute(s.dataloader.load_state_dict, state["dataloader"])
         execute(s.train_workers[0].export_sync_weights)
         execute(s.weight_sync_controller.set_rollout_model_version, self._tag, state["step"] - 1)
+        execute(s.weight_sync_controller.set_train_step, self._tag, state["step"])
         execute(s.weight_sync_controller.sync_weight_to_rollout_service, self._tag)
-        self.activity_tracker.set_training_step(state["step"])
+        execute(self.activity_tracker.set_training_step, state["step"])
         self._last_validated_step = None
         logger.info("resumed from %s at step %d", path, state["step"])
 
@@ -180,18 +180,19 @@ class NexRLController:
     # -- shutdown ------------------------------------------------------------------
     def _stop(self, timeout: float = 60.0) -> None:
         self.system.stop()
-        if not self.activity_tracker.wait_quiescent(timeout):
+        if not execute(self.activity_tracker.wait_quiescent, timeout):
             logger.warning(
                 "not quiescent after %.0fs: %s",
                 timeout,
-                self.activity_tracker.get_running_status_summary(),
+                execute(self.activity_tracker.get_running_status_summary),
             )
-        self.activity_tracker.experiment_logger_post(
+        execute(
+            self.activity_tracker.experiment_logger_post,
             backend="metrics",
             data={f"ledger/{k}": v for k, v in self._ledger().items()},
             step=self._train_step(),
         )
-        self.activity_tracker.close()
+        execute(self.activity_tracker.close)
 
     def _ledger(self) -> dict[str, Any]:
-        return dict(self.activity_tracker.get_counters())
+        return dict(execute(self.activity_tracker.get_counters))

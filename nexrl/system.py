@@ -13,12 +13,27 @@ from omegaconf import DictConfig
 
 from nexrl.builders import BUILDERS
 from nexrl.distributed import execute
+from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.types import NexRLRole
 
 
+def build_system(cfg: DictConfig) -> Any:
+    """The modules of a run, built for `cfg.launch_mode`."""
+    if cfg.launch_mode == "ray":
+        from nexrl.distributed.ray_system import RaySystem
+
+        return RaySystem(cfg)
+    return LocalSystem(cfg)
+
+
 class LocalSystem:
-    def __init__(self, cfg: DictConfig, proxy: Any, tracker: Any) -> None:
-        build = {role: fn for role, fn in BUILDERS.items()}
+    """Every module in this process; loops run in threads."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.activity_tracker = ActivityTracker(cfg)
+        proxy = ActivityTrackerProxy(self.activity_tracker)
+        tracker = self.activity_tracker
+        build = BUILDERS
         self.dataloader = build[NexRLRole.DATA_LOADER](cfg)
         self.validate_dataloader = build[NexRLRole.VALIDATE_DATALOADER](cfg)
         self.trajectory_pool = build[NexRLRole.TRAJECTORY_POOL](cfg)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from nexrl.algorithms.dapo import mask_truncated, overlong_penalty
+from nexrl.algorithms.kl import apply_kl_penalty
 from nexrl.distributed import execute
 from nexrl.module import LoopThread, NexRLModule
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
@@ -67,6 +69,25 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
+def async_metrics(trajectories: list[Trajectory], metadata: dict[str, Any]) -> dict[str, float]:
+    """Per-batch asynchronous-rollout counts (docs/async.md): stale groups dropped while
+    this batch formed, weight-push aborts its groups went through, and samples that were
+    continued on newer weights (partial rollout)."""
+    uids: dict[Any, int] = {}
+    for t in trajectories:
+        uids[t["uid"]] = int(t.get("rollout_aborts") or 0)
+    return {
+        "staleness/dropped": float(metadata.get("staleness_dropped", 0)),
+        "rollout/aborts": float(sum(uids.values())),
+        "rollout/partial_continuations": float(
+            sum(int(t.get("continuations") or 0) for t in trajectories)
+        ),
+        "rollout/multi_version_frac": statistics.fmean(
+            len(set(t.get("token_versions") or [])) > 1 for t in trajectories
+        ),
+    }
+
+
 class BaseAlgorithmProcessor(NexRLModule):
     """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool."""
 
@@ -78,9 +99,12 @@ class BaseAlgorithmProcessor(NexRLModule):
         self._train_batch_pool: Any = None
         self._loop = LoopThread("algorithm-processor", self._loop_once)
 
-    def set_module_references(self, trajectory_pool: Any, train_batch_pool: Any) -> None:
+    def set_module_references(
+        self, trajectory_pool: Any, train_batch_pool: Any, train_worker: Any = None
+    ) -> None:
         self._trajectory_pool = trajectory_pool
         self._train_batch_pool = train_batch_pool
+        self._train_worker = train_worker  # reference logprobs for a KL reward penalty
 
     def run(self) -> None:
         self._loop.start()
@@ -110,18 +134,60 @@ class BaseAlgorithmProcessor(NexRLModule):
 
 
 class GRPOProcessor(BaseAlgorithmProcessor):
-    """Group-relative advantages from scalar rewards (any registered estimator)."""
+    """Group-relative advantages from scalar rewards (any registered estimator).
+
+    Optional reward shaping before the estimator, all off by default:
+    DAPO's overlong penalty (`overlong_buffer_len` > 0, against `max_tokens`),
+    a KL penalty against the reference model (`kl_in_reward_coef` > 0), and
+    DAPO's truncated-completion masking (`mask_truncated`).
+    """
 
     def __init__(self, config: Mapping[str, Any], pad_token_id: int) -> None:
         super().__init__(config)
         self._pad_token_id = pad_token_id
         self._estimator = ADVANTAGE_ESTIMATORS.get(config.get("advantage_estimator", "grpo"))
         self._estimator_kwargs = dict(config.get("advantage_kwargs") or {})
+        self._train_worker: Any = None
+
+    def _shaped_rewards(
+        self, trajectories: list[Trajectory], values: dict[str, Any], batch: Batch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg, extra = self._config, {}
+        rewards = torch.tensor([float(t["reward"]) for t in trajectories])
+        if int(cfg.get("overlong_buffer_len", 0)) > 0:
+            lengths = torch.tensor([len(t["response_ids"]) for t in trajectories])
+            rewards = rewards + overlong_penalty(
+                lengths,
+                int(cfg["max_tokens"]),
+                int(cfg["overlong_buffer_len"]),
+                float(cfg.get("overlong_penalty_factor", 1.0)),
+            )
+        if float(cfg.get("kl_in_reward_coef", 0.0)) > 0:
+            ref = execute(self._train_worker.compute_ref_logprobs, Batch(values))
+            if ref is None:
+                raise ValueError(
+                    "algorithm.kl_in_reward_coef > 0 needs "
+                    "train_worker.engine.ref_model_path (a reference model)"
+                )
+            values["ref_logprobs"] = ref
+            rewards, kl = apply_kl_penalty(
+                rewards,
+                values["behavior_logprobs"],
+                ref,
+                values["loss_mask"],
+                float(cfg["kl_in_reward_coef"]),
+                cfg.get("kl_in_reward_estimator", "k1"),
+            )
+            extra = {k: float(v) for k, v in kl.items()}
+        return rewards, extra
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
         trajectories = batch.to_trajectories()
         values = collate(trajectories, self._pad_token_id)
-        rewards = torch.tensor([float(t["reward"]) for t in trajectories])
+        if self._config.get("mask_truncated", False):
+            finish = [t["finish_reason"] for t in trajectories]
+            values["loss_mask"] = mask_truncated(values["loss_mask"], finish)
+        rewards, shaping_metrics = self._shaped_rewards(trajectories, values, batch)
         values["rewards"] = rewards
         values["advantages"] = self._estimator(
             rewards,
@@ -136,7 +202,11 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             "min_token_versions": [
                 min(t.get("token_versions") or [t["model_version"]]) for t in trajectories
             ],
-            "rollout_metrics": rollout_metrics(trajectories),
+            "rollout_metrics": {
+                **rollout_metrics(trajectories),
+                **async_metrics(trajectories, batch.metadata),
+                **shaping_metrics,
+            },
             "uids": [t["uid"] for t in trajectories],
         }
         self._put_batch(Batch(values, metadata), update_fn)

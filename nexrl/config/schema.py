@@ -94,6 +94,22 @@ class AlgorithmConfig:
     """Optimizer steps per batch: the batch is cut into this many slices (PPO mini-batches)."""
     ppo_epochs: int = 1
     """Passes over the slices of each batch."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no
+    advantage) at the rollout worker, so batches fill with informative groups only."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: penalise responses within this many tokens of
+    `rollout_worker.max_tokens` (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Largest overlong penalty."""
+    mask_truncated: bool = False
+    """DAPO: no loss on responses cut off by `max_tokens`."""
+    kl_in_reward_coef: float = 0.0
+    """KL penalty in the reward, `reward - coef * KL(policy || reference)` per sequence
+    (needs `train_worker.engine.ref_model_path`); 0: off. For KL as a loss term use
+    `loss_kwargs.kl_coef`."""
+    kl_in_reward_estimator: str = "k1"
+    """KL estimator of the reward penalty: k1, k2 or k3."""
 
 
 @dataclass
@@ -131,9 +147,26 @@ class WeightConfig:
     sync_mode: str = "sync"
     """`sync`, `batch-async` or `fully-async`."""
     staleness_threshold: int = 0
-    """Largest allowed `train_step - model_version` of a trained sample (async modes)."""
+    """Largest allowed `train_step - min(token_versions)` of a trained sample (async
+    modes; `sync` forces 0). Rollouts are admitted only within it and a group that
+    would exceed it when its batch forms is dropped and its task re-queued."""
     validate_freq: int = 10
     """Validate after every N weight syncs (0: never during training)."""
+    sync_every: int = 1
+    """Async modes: push new weights after every N train steps (the version becomes
+    the train step, so it jumps by N)."""
+    over_sample_threshold: float = 0.0
+    """xtuner's over-sending: this fraction of a batch's groups may run beyond the
+    staleness budget (e.g. 0.2 = 20% extra); extras that land too late are dropped."""
+    enable_partial_rollout: bool = False
+    """fully-async: a weight push aborts running requests; keep their tokens and
+    continue them on the new weights (else re-queue the task at the front)."""
+    tail_batch_candidate_steps: int = 0
+    """A task aborted more than this many times waits in the tail-batch candidate
+    pool (0: no tail batch)."""
+    tail_batch_trigger_size: int = 0
+    """Candidates that trigger a tail batch (served together, before new data, never
+    aborted again); 0: one batch worth of groups."""
 
 
 @dataclass

@@ -1,3 +1,3 @@
-from nexrl.distributed.execute import execute, execute_async, resolve
+from nexrl.distributed.execute import ModuleDiedError, execute, execute_async, resolve
 
-__all__ = ["execute", "execute_async", "resolve"]
+__all__ = ["ModuleDiedError", "execute", "execute_async", "resolve"]

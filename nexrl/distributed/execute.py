@@ -13,6 +13,20 @@ import os
 from typing import Any
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("NEXRL_EXECUTE_TIMEOUT_S", "600"))
+"""Seconds `execute` / `resolve` wait on a Ray result when no `timeout` is given.
+Set from `ray.execute_timeout_s` by the Ray system (and in every actor's environment)."""
+
+
+def set_default_timeout(seconds: float) -> None:
+    """Change this process's default wait for Ray results (`ray.execute_timeout_s`)."""
+    global DEFAULT_TIMEOUT_S
+    if seconds <= 0:
+        raise ValueError(f"ray.execute_timeout_s must be > 0, got {seconds}")
+    DEFAULT_TIMEOUT_S = float(seconds)
+
+
+class ModuleDiedError(RuntimeError):
+    """The Ray actor behind a module is dead; the message names the module and method."""
 
 
 def is_remote(func: Any) -> bool:
@@ -22,11 +36,23 @@ def is_remote(func: Any) -> bool:
 def execute(func: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
     """Call `func` and return its result, waiting on Ray if `func` is remote."""
     if is_remote(func):
-        import ray
-
         ref = func.remote(*args, **kwargs)
-        return ray.get(ref, timeout=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
+        name = getattr(func, "__name__", None) or getattr(func, "_method_name", None)
+        return _get(ref, timeout, name or repr(func))
     return func(*args, **kwargs)
+
+
+def _get(ref: Any, timeout: float | None, name: str) -> Any:
+    """`ray.get` with the default timeout; actor deaths and timeouts name the call."""
+    import ray
+
+    wait = timeout if timeout is not None else DEFAULT_TIMEOUT_S
+    try:
+        return ray.get(ref, timeout=wait)
+    except ray.exceptions.RayActorError as exc:
+        raise ModuleDiedError(f"{name}: the Ray actor running it died ({exc})") from exc
+    except ray.exceptions.GetTimeoutError as exc:
+        raise TimeoutError(f"{name}: no result within {wait:g} s (ray.execute_timeout_s)") from exc
 
 
 def execute_async(func: Any, *args: Any, **kwargs: Any) -> Any:
@@ -39,7 +65,5 @@ def execute_async(func: Any, *args: Any, **kwargs: Any) -> Any:
 def resolve(value: Any, timeout: float | None = None) -> Any:
     """Wait for a value returned by `execute_async` (a no-op for local results)."""
     if type(value).__name__ == "ObjectRef":
-        import ray
-
-        return ray.get(value, timeout=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
+        return _get(value, timeout, "resolve")
     return value

@@ -192,7 +192,7 @@ class LLMServiceClient:
         return result_dict(prompt, response, version)
 
     def _encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def _retrying(self, fn, *args: Any) -> Any:
         """Call `fn`, retrying transport errors (never ValueError: a bad request stays bad)."""

@@ -104,7 +104,7 @@ class ProcessEngine:
             future.set_exception(RuntimeError("engine process exited"))
 
     def submit(self, request: GenerationRequest) -> Future:
-        raw = self._send("generate", request=asdict(request))
+        raw = self._send("generate", request=_request_dict(request))
         out: Future = Future()
 
         def convert(f: Future) -> None:
@@ -236,5 +236,25 @@ def _handle(engine, msg: dict[str, Any], reply) -> None:
 def _reply_future(future: Future, msg_id: int, reply) -> None:
     if future.exception() is not None:
         reply(msg_id, exc=future.exception())
-    else:
-        reply(msg_id, asdict(future.result()))
+        return
+    resp = future.result()
+    outputs = [
+        {
+            "output_ids": o.output_ids,
+            "output_logprobs": o.output_logprobs,
+            "output_versions": o.output_versions,
+            "finish_reason": o.finish_reason,
+            "text": o.text,
+        }
+        for o in resp.outputs
+    ]  # plain dicts: dataclasses.asdict deep-copies every list element
+    reply(msg_id, {"input_ids": resp.input_ids, "outputs": outputs, "rid": resp.rid})
+
+
+def _request_dict(request: GenerationRequest) -> dict[str, Any]:
+    return {
+        "input_ids": list(request.input_ids),
+        "sampling": asdict(request.sampling),
+        "rid": request.rid,
+        "metadata": request.metadata,
+    }

@@ -138,7 +138,7 @@ class RemoteBackend:
         ids = c.get("token_ids")
         retokenized = ids is None
         if retokenized:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
         version = c.get("token_versions") or [self._version] * len(ids)
         return {
             "response": text,
@@ -156,7 +156,7 @@ class RemoteBackend:
                 prompt_ids
                 if prompt_ids is not None
                 else (
-                    list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
                     if prompt
                     else []
                 )

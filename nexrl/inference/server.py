@@ -202,11 +202,11 @@ def _control_routes(app: FastAPI, engine: InferenceEngine) -> None:
 
 def _prompt_ids(prompt: str | list[int] | list[str], tokenizer) -> list[int]:
     if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, "prompt: batches of several prompts are not supported; send one")
-        return list(tokenizer(prompt[0], add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt[0], add_special_tokens=True)["input_ids"])
     vocab = len(tokenizer)
     bad = [t for t in prompt if not 0 <= int(t) < vocab]
     if bad:

@@ -14,10 +14,14 @@ from pathlib import Path
 
 from filelock import FileLock
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-CHARS = string.printable[:95]  # digits, letters, punctuation, space
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+# A small lowercase alphabet: every extra token is a wrong answer the policy must
+# learn to avoid, so a small vocabulary makes the embedded task learn faster.
+CHARS = string.ascii_lowercase + string.digits + " .,:;!?'=+-*/<>()"
+SPECIALS = (PAD, BOS, EOS, UNK)
+VOCAB_SIZE = len(SPECIALS) + len(CHARS) + 1  # + newline
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
@@ -28,15 +32,23 @@ def cache_dir() -> Path:
 
 def build_char_tokenizer(path: str | os.PathLike):
     """Write a character-level `PreTrainedTokenizerFast` to `path` and return it."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS, "\n", "\t"])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    vocab = {tok: i for i, tok in enumerate([*SPECIALS, *CHARS, "\n"])}
+    assert len(vocab) == VOCAB_SIZE
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.normalizer = normalizers.Lowercase()
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    # A leading BOS keeps the first prompt character out of the attention-sink
+    # position; without it the policy learns "repeat the first letter".
+    core.post_processor = TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
     )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(path))

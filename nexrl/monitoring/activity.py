@@ -97,6 +97,15 @@ class ActivityTracker:
         with self._cond:
             return self._cond.wait_for(lambda: not self._inflight, timeout=timeout)
 
+    def forget_module(self, module: str) -> int:
+        """Drop `module`'s in-flight work (its process died and restarted); returns the count."""
+        with self._cond:
+            gone = [t for t, (m, _, _) in self._inflight.items() if m == module]
+            for token in gone:
+                del self._inflight[token]
+            self._cond.notify_all()
+        return len(gone)
+
     def get_running_status_summary(self) -> str:
         now = time.monotonic()
         with self._cond:

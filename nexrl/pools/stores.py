@@ -15,9 +15,12 @@ Stores are not thread-safe on their own: `TrajectoryPoolInstance` holds the lock
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from nexrl.types import Trajectory
+
+GroupPredicate = Callable[[list[Trajectory]], bool]
 
 
 class TrajectoryStore(Protocol):
@@ -34,6 +37,10 @@ class TrajectoryStore(Protocol):
     def clear(self) -> None: ...
 
     def drain_incomplete(self) -> list[Trajectory]: ...
+
+    def remove_ready_groups(self, pred: GroupPredicate) -> list[list[Trajectory]]:
+        """Remove and return the complete groups for which `pred(group)` is true."""
+        ...
 
 
 class _ReadyQueue:
@@ -59,6 +66,14 @@ class _ReadyQueue:
     def clear(self) -> None:
         self.groups.clear()
         self.count = 0
+
+    def remove_where(self, pred: GroupPredicate) -> list[list[Trajectory]]:
+        """Remove the groups matching `pred` (the rest keep their order)."""
+        removed = [g for g in self.groups if pred(g)]
+        if removed:
+            self.groups = deque(g for g in self.groups if not pred(g))
+            self.count -= sum(len(g) for g in removed)
+        return removed
 
 
 class SimpleTrajectoryStore:
@@ -88,6 +103,9 @@ class SimpleTrajectoryStore:
 
     def drain_incomplete(self) -> list[Trajectory]:
         return []
+
+    def remove_ready_groups(self, pred: GroupPredicate) -> list[list[Trajectory]]:
+        return self._ready.remove_where(pred)
 
 
 def _group_value(traj: Trajectory, key: str) -> Any:
@@ -150,6 +168,9 @@ class HierarchicalTrajectoryStore:
 
     def __len__(self) -> int:
         return self._ready.count + self._pending
+
+    def remove_ready_groups(self, pred: GroupPredicate) -> list[list[Trajectory]]:
+        return self._ready.remove_where(pred)
 
     def clear(self) -> None:
         self._tree.clear()

@@ -18,6 +18,15 @@ it calls `unlock_for_weight_sync(tag)`. A group put with
 `put_trajectory_group` is accepted or refused as a whole, so the gate can
 never split a GRPO group.
 
+Strict staleness (drop and resample): when a batch forms, the pool asks the
+weight sync controller for the batch's index j and the bound k
+(`get_staleness_gate`); a ready group whose oldest token version v has
+j - v > k is dropped, its task (`trajectory["_nexrl_task"]`) goes back to the
+front of the loader, the admission slot is released and `staleness/dropped`
+counted; the batch keeps filling from the other groups. The formed batch is
+reported with `notify_batch_formed` and carries `batch_index` and
+`staleness_dropped` in its metadata.
+
 Every time a put or poll makes another batch ready, the pool calls
 `execute(weight_sync_controller.trajectory_pool_notify_batch_ready, tag)` once
 for that batch, outside the pool's lock (the controller may call back).
@@ -39,6 +48,25 @@ from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
 logger = logging.getLogger(__name__)
 
 CHECK_BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished")
+TASK_KEY = "_nexrl_task"  # the task a trajectory came from (re-queued if dropped as stale)
+
+
+def min_version(traj: Trajectory) -> int | None:
+    """Oldest weight version that sampled a token of `traj` (None: unversioned)."""
+    versions = traj.get("token_versions") or []
+    if versions:
+        return int(min(versions))
+    version = traj.get("model_version")
+    return None if version is None else int(version)
+
+
+def is_stale(group: list[Trajectory], gate: tuple[int, int] | None) -> bool:
+    """Would `group` break the bound in batch `gate[0]` (bound `gate[1]`)?"""
+    if gate is None:
+        return False
+    index, threshold = gate
+    versions = [v for v in map(min_version, group) if v is not None]
+    return bool(versions) and index - min(versions) > threshold
 
 
 class TrajectoryPoolInstance:
@@ -60,6 +88,7 @@ class TrajectoryPoolInstance:
         self._lock = threading.RLock()
         self._locked = False
         self._notified = 0  # ready batches already announced to the weight sync controller
+        self._dropped = 0  # stale groups dropped since the last batch was formed
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
         self._activity_tracker: Any = None
@@ -132,7 +161,11 @@ class TrajectoryPoolInstance:
 
     # ---- gets ---------------------------------------------------------------
     def get_batch(self, batch_size: int | None = None) -> Batch | None:
-        """Exactly `batch_size` trajectories of whole groups (or the tail), else None."""
+        """Exactly `batch_size` trajectories of whole groups (or the tail), else None.
+
+        Groups that would be staler than the weight sync controller's bound in
+        this batch are dropped first and their tasks re-queued (`_resample`).
+        """
         size = self.batch_size if batch_size is None else int(batch_size)
         if size < 1 or size % self.group_size:
             raise ValueError(
@@ -140,16 +173,58 @@ class TrajectoryPoolInstance:
             )
         tail = self._tail_reached()
         self._announce_ready_batches(tail)
+        gate = self._staleness_gate()
         with self._lock:
+            stale = self._store.remove_ready_groups(lambda g: is_stale(g, gate)) if gate else []
             ready = self._store.num_ready()
+            trajs: list[Trajectory] | None = None
             if ready >= size:
                 trajs = self._store.take(size)
             elif tail and ready > 0:
                 trajs = self._store.take(ready)
-            else:
-                return None
-            self._notified = max(0, self._notified - 1)
-        return Batch.from_trajectories(trajs, model_tag=self.model_tag, group_size=self.group_size)
+            self._dropped += len(stale)
+            dropped = self._dropped
+            if trajs is not None:
+                self._dropped = 0
+                self._notified = max(0, self._notified - 1)
+            self._notified = min(self._notified, self._ready_batches(tail))
+        self._resample(stale)
+        if trajs is None:
+            return None
+        index = self._batch_formed(len(trajs) // self.group_size)
+        return Batch.from_trajectories(
+            trajs,
+            model_tag=self.model_tag,
+            group_size=self.group_size,
+            batch_index=index,
+            staleness_dropped=dropped,
+        )
+
+    # ---- staleness: drop and resample -------------------------------------------
+    def _staleness_gate(self) -> tuple[int, int] | None:
+        """(batch index, bound) from a controller that enforces staleness, else None."""
+        gate = getattr(self._weight_sync_controller, "get_staleness_gate", None)
+        return None if gate is None else tuple(execute(gate, self.model_tag))
+
+    def _batch_formed(self, n_groups: int) -> int | None:
+        formed = getattr(self._weight_sync_controller, "notify_batch_formed", None)
+        return None if formed is None else execute(formed, self.model_tag, n_groups)
+
+    def _resample(self, stale: list[list[Trajectory]]) -> None:
+        """Give each dropped group's task back (served first) and count the drop."""
+        for group in stale:
+            task = group[0].get(TASK_KEY)
+            if task is None or self._dataloader is None:
+                raise RuntimeError(
+                    f"trajectory pool [{self.model_tag}]: stale group {group[0].get('uid')!r} "
+                    f"carries no {TASK_KEY!r} (or the pool has no data loader) to re-queue"
+                )
+            execute(self._dataloader.add_item_front, task)
+            execute(self._weight_sync_controller.release_rollout, self.model_tag, "")
+            if self._activity_tracker is not None:
+                self._activity_tracker.increment("staleness/dropped")
+        if stale:
+            logger.info("trajectory pool [%s]: dropped %d stale groups", self.model_tag, len(stale))
 
     # ---- gate and state -----------------------------------------------------------
     def notify_weight_sync_starting(self) -> None:

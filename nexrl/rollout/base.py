@@ -8,6 +8,18 @@
                   back to the front of its loader and is generated again
     "fail" / None the task could not be turned into trajectories; it is put
                   back up to `max_task_retries` times, then counted as failed
+    "aborted"     a weight push aborted the generation (fully-async without
+                  partial rollout): the task goes back to the FRONT of its
+                  loader (aborted samples are served before new data)
+    "deferred"    the task was aborted too often and now waits in the weight
+                  sync controller's tail-batch candidate pool
+    "dropped"     the group was dropped on purpose (DAPO dynamic sampling)
+
+Admission (docs/async.md): before a training task is taken, the worker asks
+the weight sync controller for a slot (`acquire_rollout`); a group that will
+never reach the pool gives it back (`release_rollout`) with the reason. Each
+task taken fresh from the loader counts once in `tasks_in/train`; the ledger
+tasks_in = tasks_trained + dropped + failed + still queued holds at any time.
 
 An exception inside `step` (an engine error, a reward function that raises)
 is reported through the activity tracker's ErrorReporter and treated as
@@ -23,12 +35,20 @@ from typing import Any
 
 from nexrl.distributed import execute
 from nexrl.module import LoopThread, NexRLModule
-from nexrl.types import Trajectory
+from nexrl.types import DEFAULT_MODEL_TAG, Trajectory
 
 logger = logging.getLogger(__name__)
 
 VALIDATE_FLAG = "_nexrl_validate"
 RETRIES_KEY = "_nexrl_retries"
+SEEN_KEY = "_nexrl_seen"  # set once a task has been counted in tasks_in
+TASK_KEY = "_nexrl_task"  # the task a training trajectory came from (see pools)
+_RELEASE_REASONS = {
+    "re-rollout": "re-rollout",
+    "aborted": "abort",
+    "deferred": "tail_candidate",
+    "dropped": "dynamic_sampling",
+}
 
 
 class BaseRolloutWorker(NexRLModule):
@@ -41,6 +61,7 @@ class BaseRolloutWorker(NexRLModule):
         self._max_task_retries = int(config.get("max_task_retries", 2))
         self._is_running_validate = False
         self._task_is_validate = False  # mode of the task being processed now
+        self._current_task: dict[str, Any] = {}
         self._trajectory_pool: Any = None
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
@@ -84,23 +105,36 @@ class BaseRolloutWorker(NexRLModule):
 
     # -- the loop ------------------------------------------------------------
     def _loop_once(self) -> bool:
-        task = self._get_rollout_task()
-        if task is None:
+        validate = self._is_running_validate
+        tag = self._model_tag()
+        if not validate and not self._acquire(tag):
             return False
-        self._task_is_validate = bool(task.get(VALIDATE_FLAG))
+        task = self._get_rollout_task(validate)
+        if task is None:
+            if not validate:
+                self._release(tag, "")
+                self._flush_tail(tag)
+            return False
+        self._task_is_validate = validate
+        self._current_task = task
         with self._activity_tracker.track(self._module_name, "rollout", auto_report_errors=False):
             try:
                 result = self.step(task)
             except Exception as exc:  # reported, then the task is retried or counted
                 self._activity_tracker.report_exception(self._module_name, "rollout step", exc)
                 result = "fail"
+            finally:
+                if not validate:
+                    self._finish_generation(tag)
+            if not validate and result != "success":
+                self._release(tag, _RELEASE_REASONS.get(str(result), "fail"))
             self._route(task, result)
         return True
 
     def _route(self, task: dict[str, Any], result: str | None) -> None:
-        if result == "success":
+        if result in ("success", "deferred", "dropped"):
             return
-        if result == "re-rollout":
+        if result in ("re-rollout", "aborted"):
             self._put_rollout_task(task)
             return
         retries = int(task.get(RETRIES_KEY, 0))
@@ -116,6 +150,27 @@ class BaseRolloutWorker(NexRLModule):
                 retries + 1,
             )
 
+    # -- admission (weight sync controller) -------------------------------------------
+    def _model_tag(self) -> str:
+        return getattr(self._llm_client, "model_tag", DEFAULT_MODEL_TAG)
+
+    def _acquire(self, tag: str) -> bool:
+        wsc = self._weight_sync_controller
+        return wsc is None or bool(execute(wsc.acquire_rollout, tag))
+
+    def _release(self, tag: str, reason: str) -> None:
+        if self._weight_sync_controller is not None:
+            execute(self._weight_sync_controller.release_rollout, tag, reason)
+
+    def _finish_generation(self, tag: str) -> None:
+        if self._weight_sync_controller is not None:
+            execute(self._weight_sync_controller.finish_generation, tag)
+
+    def _flush_tail(self, tag: str) -> None:
+        """The loader ran dry: tail-batch candidates are served now instead of waiting."""
+        if self._weight_sync_controller is not None:
+            execute(self._weight_sync_controller.flush_tail_candidates, tag)
+
     # -- data flow -------------------------------------------------------------
     def step(self, task: dict[str, Any]) -> str | None:
         """Turn one task into trajectories and hand them on (see module docstring)."""
@@ -129,14 +184,17 @@ class BaseRolloutWorker(NexRLModule):
     def _source(self, validate: bool) -> Any:
         return self._validate_dataloader if validate else self._dataloader
 
-    def _get_rollout_task(self) -> dict[str, Any] | None:
-        validate = self._is_running_validate
+    def _get_rollout_task(self, validate: bool | None = None) -> dict[str, Any] | None:
+        validate = self._is_running_validate if validate is None else validate
         loader = self._source(validate)
         if loader is None:
             return None
         task = execute(loader.get_next_item)
         if task is None:
             return None
+        if not validate and not task.get(SEEN_KEY):
+            self._activity_tracker.increment("tasks_in/train")
+            task = {**task, SEEN_KEY: True}
         return {**task, VALIDATE_FLAG: validate}
 
     def _put_rollout_task(self, task: dict[str, Any]) -> bool:
@@ -154,4 +212,6 @@ class BaseRolloutWorker(NexRLModule):
             for t in trajectories:
                 execute(self._validator.put_trajectory, t)
             return "success"
-        return execute(self._trajectory_pool.put_trajectory_group, trajectories)
+        task = {k: v for k, v in self._current_task.items() if k != VALIDATE_FLAG}
+        group = [{**t, TASK_KEY: task} for t in trajectories]
+        return execute(self._trajectory_pool.put_trajectory_group, group)

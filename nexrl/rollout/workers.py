@@ -12,8 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nexrl.distributed import execute
 from nexrl.rollout.base import BaseRolloutWorker
-from nexrl.types import DEFAULT_MODEL_TAG, Trajectory
+from nexrl.rollout.partial import aborted, continue_aborted, split_choices
+from nexrl.types import Trajectory
+from nexrl.weight_sync import TAIL_KEY
+
+ABORTS_KEY = "_nexrl_aborts"  # times this task's generation was aborted by a weight push
+PARTIAL_KEY = "_nexrl_partial"  # samples kept from an aborted generation (partial rollout)
 
 TASK_META_SKIP = ("prompt",)
 
@@ -59,9 +65,6 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             "top_k": int(cfg.get("top_k", -1)),
         }
 
-    def _model_tag(self) -> str:
-        return getattr(self._llm_client, "model_tag", DEFAULT_MODEL_TAG)
-
     def _prompt(self, task: dict[str, Any]) -> str | None:
         prompt = task.get(self._config.get("prompt_key", "prompt"))
         return prompt if isinstance(prompt, str) else None
@@ -73,12 +76,67 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         prompt = self._prompt(task)
         if prompt is None:
             return None
-        out = self._llm_client.completion(prompt, **self._sampling_kwargs())
-        shared = {k: v for k, v in out.items() if k != "choices"}
-        choices = [{**shared, **c} for c in out.get("choices") or [{}]]
+        choices = self._generate(task, prompt)
+        if isinstance(choices, str):  # "aborted" or "deferred"
+            return choices
         tag = self._model_tag()
+        aborts = int(task.get(ABORTS_KEY, 0))
         group = [make_trajectory(task, c, self.score(task, c), tag) for c in choices]
+        for traj, c in zip(group, choices, strict=True):
+            traj["rollout_aborts"] = aborts
+            traj["continuations"] = int(c.get("continuations", 0))
+        if self._drop_uninformative(group):
+            return "dropped"
         return self._put_trajectory_group(group)
+
+    def _generate(self, task: dict[str, Any], prompt: str) -> list[dict[str, Any]] | str:
+        """The group's samples; aborted ones are continued, re-queued or deferred (xtuner)."""
+        kwargs = self._sampling_kwargs()
+        saved = task.get(PARTIAL_KEY)
+        if saved is None:
+            choices = split_choices(self._llm_client.completion(prompt, **kwargs))
+        else:
+            choices = [dict(c) for c in saved]
+        aborts = int(task.get(ABORTS_KEY, 0))
+        while aborted(choices):
+            if saved is None:  # a restored partial was counted when it was aborted
+                aborts += 1
+                self._activity_tracker.increment("rollout/aborted_groups")
+            saved = None
+            protected = self.is_validating_task or bool(task.get(TAIL_KEY))
+            keep = protected or self._config.get("enable_partial_rollout", False)
+            limit = int(self._config.get("tail_batch_candidate_steps", 0) or 0)
+            if not protected and limit and aborts > limit:
+                self._defer_to_tail(task, aborts, choices if keep else None)
+                return "deferred"
+            if not keep:
+                task[ABORTS_KEY] = aborts
+                task.pop(PARTIAL_KEY, None)
+                return "aborted"
+            n = len(aborted(choices))
+            choices = continue_aborted(self._llm_client, choices, kwargs)
+            self._activity_tracker.increment("rollout/partial_continuations", n)
+        task[ABORTS_KEY] = aborts
+        task.pop(PARTIAL_KEY, None)  # a re-queue after a stale drop starts afresh
+        return choices
+
+    def _defer_to_tail(
+        self, task: dict[str, Any], aborts: int, partial: list[dict[str, Any]] | None
+    ) -> None:
+        clean = {k: v for k, v in task.items() if not k.startswith("_nexrl_validate")}
+        clean = {**clean, ABORTS_KEY: aborts, PARTIAL_KEY: partial}
+        if partial is None:
+            clean.pop(PARTIAL_KEY)
+        execute(self._weight_sync_controller.add_tail_candidate, self._model_tag(), clean)
+
+    def _drop_uninformative(self, group: list[Trajectory]) -> bool:
+        """DAPO dynamic sampling: a training group with one reward value teaches nothing."""
+        if self.is_validating_task or not self._config.get("dynamic_sampling", False):
+            return False
+        if len({t["reward"] for t in group}) > 1:
+            return False
+        self._activity_tracker.increment("groups_dropped/dynamic_sampling")
+        return True
 
 
 class SingleTurnRolloutWorker(SimpleRolloutWorker):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nexrl.models.tiny import SPECIALS, VOCAB_SIZE
 from nexrl.types import Batch
 
 
@@ -22,7 +23,7 @@ def random_batch(n: int = 8, t: int = 12, seed: int = 0, right_pad: bool = True)
         length = int(torch.randint(4, t + 1, (1,), generator=g))
         prompt = int(torch.randint(1, length - 1, (1,), generator=g))
         cols = slice(0, length) if right_pad else slice(t - length, t)
-        input_ids[i, cols] = torch.randint(3, 97, (length,), generator=g)
+        input_ids[i, cols] = torch.randint(len(SPECIALS), VOCAB_SIZE, (length,), generator=g)
         attention[i, cols] = 1
         start = cols.start + prompt
         loss_mask[i, start : cols.stop] = 1

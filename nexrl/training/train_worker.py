@@ -129,6 +129,10 @@ class TrainWorker(NexRLModule):
     def _step_batch(self, batch: Batch) -> None:
         t0 = time.perf_counter()
         batch.values["old_logprobs"] = self._client.compute_logprobs(batch)
+        if "ref_logprobs" not in batch.values:
+            ref = self._client.compute_ref_logprobs(batch)
+            if ref is not None:
+                batch.values["ref_logprobs"] = ref
         metrics = self._update(batch)
         metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
         self._step += 1
@@ -139,6 +143,7 @@ class TrainWorker(NexRLModule):
         serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
         self._log(batch, metrics, t0, serving)
         self._activity_tracker.set_training_step(step)
+        self._activity_tracker.increment("tasks_trained", len(set(batch.metadata["uids"])))
         execute(
             self._weight_sync_controller.train_worker_notify_weight_update,
             self._module_name,
@@ -156,7 +161,9 @@ class TrainWorker(NexRLModule):
         for _ in range(self._ppo_epochs):
             for rows in slices:
                 part = batch.select(rows) if len(slices) > 1 else batch
-                history.append(self._client.train_batch(part, self._loss_fn, dict(self._loss_kwargs)))
+                history.append(
+                    self._client.train_batch(part, self._loss_fn, dict(self._loss_kwargs))
+                )
         return {k: statistics.fmean(h[k] for h in history) for k in history[0]}
 
     def _log(self, batch: Batch, metrics: dict[str, float], t0: float, serving: int) -> None:
@@ -174,6 +181,10 @@ class TrainWorker(NexRLModule):
             "throughput/tokens_per_s": tokens / elapsed,
         }
         self._activity_tracker.experiment_logger_post(backend="metrics", data=data, step=self._step)
+
+    def compute_ref_logprobs(self, batch: Batch) -> Any:
+        """(B, T) reference-model logprobs, or None without a reference model."""
+        return self._client.compute_ref_logprobs(batch)
 
     def export_sync_weights(self) -> str:
         """Write the current weights to the weight-sync buffer folder."""

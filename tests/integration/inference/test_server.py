@@ -35,7 +35,7 @@ def test_completion_with_logprobs_and_ids(sdk, engine):
         extra_body={"stop_token_ids": []},
     ).model_dump()
     assert len(resp["choices"]) == 3
-    prompt_ids = engine.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    prompt_ids = engine.tokenizer("hello")["input_ids"]  # BOS added, as vLLM does
     assert resp["prompt_token_ids"] == prompt_ids
     for c in resp["choices"]:
         assert len(c["token_ids"]) == 8 == len(c["logprobs"]["token_logprobs"])

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nexrl.algorithms import ADVANTAGE_ESTIMATORS, compute_loss
-from nexrl.models.tiny import build_tiny_qwen2
+from nexrl.models.tiny import VOCAB_SIZE, build_tiny_qwen2
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def token_logprobs(model, input_ids, attention_mask):
 def test_grpo_step_accumulated_equals_full_batch(model):
     g = torch.Generator().manual_seed(0)
     b, t = 8, 12
-    input_ids = torch.randint(3, 90, (b, t), generator=g)
+    input_ids = torch.randint(4, VOCAB_SIZE, (b, t), generator=g)
     lengths = torch.randint(6, t + 1, (b,), generator=g)
     attention_mask = (torch.arange(t)[None] < lengths[:, None]).long()
     loss_mask = ((torch.arange(t)[None] >= 4) & (attention_mask > 0)).float()  # 4-token prompt

@@ -54,3 +54,43 @@ def test_grpo_processor_puts_group_normalised_batch():
     assert torch.count_nonzero(adv[2:]) == 0
     assert out.metadata["min_token_versions"] == [3, 3, 0, 0]
     assert out.metadata["rollout_metrics"]["reward/mean"] == 0.5
+
+
+def run_processor(config, trajs):
+    pool = TrainBatchPool({})
+    proc = GRPOProcessor({"advantage_estimator": "grpo", **config}, pad_token_id=0)
+    proc.set_activity_tracker(ActivityTrackerProxy(ActivityTracker({})))
+    proc.set_module_references(None, pool)
+    proc._fit(Batch.from_trajectories(trajs, model_tag="default"), "train")
+    return pool.get_batch("default")
+
+
+def test_overlong_shaping_penalises_the_long_sample():
+    # equal raw rewards; only the 4-token response falls in the 2-token overlong buffer
+    trajs = [traj("a", [1], [2, 3], [-1.0] * 2, 1.0), traj("a", [1], [2, 3, 4, 5], [-1.0] * 4, 1.0)]
+    out = run_processor({"overlong_buffer_len": 2, "max_tokens": 4}, trajs)
+    assert out.values["rewards"].tolist() == [1.0, 0.0]  # 1 + (2 - 4) / 2 * 1.0
+    assert out.values["advantages"][0, 1] > 0 > out.values["advantages"][1, 1]
+
+
+def test_mask_truncated_removes_cut_off_samples_from_the_loss():
+    trajs = [traj("a", [1], [2], [-1.0], 1.0), traj("a", [1], [2], [-1.0], 0.0)]
+    trajs[1]["finish_reason"] = "length"
+    out = run_processor({"mask_truncated": True}, trajs)
+    assert out.values["loss_mask"].tolist() == [[0.0, 1.0], [0.0, 0.0]]
+
+
+def test_kl_in_reward_without_reference_model_names_the_key():
+    class NoReference:
+        def compute_ref_logprobs(self, batch):
+            return None
+
+    pool = TrainBatchPool({})
+    proc = GRPOProcessor({"kl_in_reward_coef": 0.1}, pad_token_id=0)
+    proc.set_activity_tracker(ActivityTrackerProxy(ActivityTracker({})))
+    proc.set_module_references(None, pool, NoReference())
+    trajs = [traj("a", [1], [2], [-1.0], r) for r in (0.0, 1.0)]
+    import pytest
+
+    with pytest.raises(ValueError, match="ref_model_path"):
+        proc._fit(Batch.from_trajectories(trajs), "train")

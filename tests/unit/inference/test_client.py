@@ -31,7 +31,7 @@ def test_completion_result_contract(engine):
     client = LLMServiceClient({"backend": "builtin"}, engine=engine)
     out = client.completion("abc", max_tokens=6, n=2, seed=3, stop_token_ids=[])
     assert out["prompt"] == "abc"
-    assert out["prompt_ids"] == engine.tokenizer("abc", add_special_tokens=False)["input_ids"]
+    assert out["prompt_ids"] == engine.tokenizer("abc", add_special_tokens=True)["input_ids"]
     assert len(out["choices"]) == 2 and set(out["choices"][0]) >= KEYS
     assert {k: out[k] for k in KEYS} == out["choices"][0]
     assert len(out["response_ids"]) == 6 == len(out["response_logprobs"])

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nexrl.algorithms.objective import compute_loss
+from nexrl.models.tiny import VOCAB_SIZE
 from nexrl.training.sft import NLL_LOSS, build_batch, main, run_sft, shift_letters
 
 
@@ -64,7 +65,7 @@ def test_short_sft_run_learns_and_saves_a_loadable_checkpoint(tiny_model, tmp_pa
         eval_size=8,
     )
     assert result["loss"] < 0.7 * first["loss"]
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "b").config.vocab_size == 100
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "b").config.vocab_size == VOCAB_SIZE
 
 
 def test_main_runs_with_overrides(tiny_model, tmp_path, capsys):

@@ -1,0 +1,139 @@
+"""The asynchronous sample policy: how many rollouts may run, and which samples are too old.
+
+Pure bookkeeping, no threads and no I/O, so that it can be property-tested
+over random schedules; `WeightSyncController` holds one `AdmissionLedger` per
+model tag behind its lock and calls these methods in this order:
+
+    acquire()            a rollout group asks to START (False: wait and ask again)
+    release()            the group will never land in a batch (failed, re-rolled,
+                         aborted, deferred to the tail pool, dropped as stale)
+    batch_formed(n)      the trajectory pool cut batch `formed` out of n groups
+    set_version(v)       new weights (trained for v steps) serve rollouts
+
+Definitions (docs/async.md): batch j trains at step j; the weights after j
+steps have version j, so a sample started on version v and trained in batch j
+has staleness j - v. A group admitted now lands (at the earliest) in batch
+`formed + outstanding // groups_per_batch`; admission requires that landing
+batch to be within `staleness_threshold` k of the serving version:
+
+    formed + outstanding // gpb - version <= k
+
+i.e. `outstanding < capacity = (k + 1 - (formed - version)) * gpb`, plus
+`ceil(over_sample_threshold * gpb)` extra groups (xtuner's over-sending).
+Groups can finish out of order and over-sent groups can land later than
+planned, so the pool re-checks every group when its batch forms
+(`is_stale`) and drops the stale ones: the bound is strict, admission only
+keeps the drops rare.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SYNC_MODES = ("sync", "batch-async", "fully-async")
+
+
+@dataclass(frozen=True)
+class SamplePolicy:
+    """The knobs of `weight.*` that shape rollout admission (see docs/async.md)."""
+
+    sync_mode: str = "sync"
+    staleness_threshold: int = 0
+    over_sample_threshold: float = 0.0
+    enable_partial_rollout: bool = False
+    tail_batch_candidate_steps: int = 0
+    tail_batch_trigger_size: int = 0
+    sync_every: int = 1
+    groups_per_batch: int | None = None  # None: admission off (unit tests of the sync gate)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SamplePolicy:
+        mode = str(config.get("sync_mode", "sync"))
+        if mode not in SYNC_MODES:
+            raise ValueError(f"weight.sync_mode={mode!r}; valid choices: {', '.join(SYNC_MODES)}")
+        gpb = config.get("groups_per_batch")
+        policy = cls(
+            sync_mode=mode,
+            staleness_threshold=0 if mode == "sync" else int(config.get("staleness_threshold", 0)),
+            over_sample_threshold=float(config.get("over_sample_threshold", 0.0) or 0.0),
+            enable_partial_rollout=bool(config.get("enable_partial_rollout", False)),
+            tail_batch_candidate_steps=int(config.get("tail_batch_candidate_steps", 0) or 0),
+            tail_batch_trigger_size=int(config.get("tail_batch_trigger_size", 0) or 0),
+            sync_every=1 if mode == "sync" else int(config.get("sync_every", 1) or 1),
+            groups_per_batch=None if gpb is None else int(gpb),
+        )
+        policy.check()
+        return policy
+
+    def check(self) -> None:
+        bad = {
+            "staleness_threshold": self.staleness_threshold < 0,
+            "over_sample_threshold": self.over_sample_threshold < 0,
+            "tail_batch_candidate_steps": self.tail_batch_candidate_steps < 0,
+            "tail_batch_trigger_size": self.tail_batch_trigger_size < 0,
+            "sync_every": self.sync_every < 1,
+        }
+        for key, wrong in bad.items():
+            if wrong:
+                raise ValueError(f"weight.{key}={getattr(self, key)} is out of range")
+        if self.groups_per_batch is not None and self.groups_per_batch < 1:
+            raise ValueError(f"groups_per_batch must be >= 1, got {self.groups_per_batch}")
+
+    @property
+    def extra_groups(self) -> int:
+        """Over-sent groups allowed in flight beyond the staleness budget."""
+        if self.groups_per_batch is None:
+            return 0
+        return math.ceil(self.over_sample_threshold * self.groups_per_batch)
+
+    @property
+    def tail_trigger(self) -> int:
+        """Candidates that trigger a tail batch (0 in config: one batch worth of groups)."""
+        return self.tail_batch_trigger_size or (self.groups_per_batch or 1)
+
+
+@dataclass
+class AdmissionLedger:
+    """Counts for one model tag: batches formed, serving version, groups outstanding."""
+
+    policy: SamplePolicy
+    formed: int = 0  # index of the next batch the pool will form
+    version: int = 0  # train steps of the weights serving rollouts
+    outstanding: int = 0  # admitted groups not yet in a formed batch
+
+    def capacity(self) -> int | None:
+        """Groups that may be outstanding now (None: unbounded, admission off)."""
+        gpb = self.policy.groups_per_batch
+        if gpb is None:
+            return None
+        lag = self.formed - self.version
+        return max(0, (self.policy.staleness_threshold + 1 - lag) * gpb) + self.policy.extra_groups
+
+    def acquire(self) -> bool:
+        cap = self.capacity()
+        if cap is not None and self.outstanding >= cap:
+            return False
+        self.outstanding += 1
+        return True
+
+    def release(self, n: int = 1) -> None:
+        """Groups put without admission (unit tests, custom workers) count as zero."""
+        self.outstanding = max(0, self.outstanding - n)
+
+    def batch_formed(self, n_groups: int) -> int:
+        """Account batch `formed` (n groups); returns its index."""
+        index = self.formed
+        self.formed += 1
+        self.outstanding = max(0, self.outstanding - n_groups)
+        return index
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def is_stale(self, min_version: int, batch_index: int | None = None) -> bool:
+        """Would a sample whose oldest token came from `min_version` break the bound?"""
+        index = self.formed if batch_index is None else batch_index
+        return index - min_version > self.policy.staleness_threshold

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import pytest
+
+from nexrl.config import load_config
+
+
+@pytest.fixture
+def async_config(tmp_path, tiny_model_path):
+    """A few-second local run on the built-in task; extra overrides pick the mode."""
+
+    def make(*extra: str):
+        return load_config([
+            f"output_dir={tmp_path / 'out'}",
+            f"model_path={tiny_model_path}",
+            "rollout_worker.group_size=4",
+            "rollout_worker.max_tokens=4",
+            "rollout_worker.num_workers=3",
+            "trajectory_pool.batch_size=8",
+            "train_worker.total_train_steps=4",
+            "train_worker.save_freq=0",
+            "weight.validate_freq=0",
+            "validate.validate_before_train=false",
+            "validate.data.max_items=4",
+            "logger.backend=[jsonl]",
+            *extra,
+        ])
+
+    return make

@@ -1,0 +1,121 @@
+"""The controller end to end with `launch_mode=ray` on a local 2-CPU Ray instance."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import open_dict
+
+from nexrl.config import load_config
+from nexrl.controller import NexRLController, TrainingAborted
+from nexrl.distributed import ModuleDiedError, execute
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture
+def ray_config(tmp_path, tiny_model_path):
+    """A few-step Ray run on the built-in task; `ray` = the `ray.*` section to set."""
+
+    def make(*extra: str, ray: dict | None = None):
+        cfg = load_config(
+            [
+                f"output_dir={tmp_path / 'out'}",
+                f"model_path={tiny_model_path}",
+                "launch_mode=ray",
+                "rollout_worker.group_size=4",
+                "rollout_worker.max_tokens=4",
+                "rollout_worker.num_workers=2",
+                "trajectory_pool.batch_size=16",
+                "train_worker.total_train_steps=3",
+                "train_worker.save_freq=2",
+                "weight.validate_freq=2",
+                "validate.data.max_items=8",
+                "logger.backend=[jsonl]",
+                *extra,
+            ]
+        )
+        if ray:
+            with open_dict(cfg):
+                cfg.ray = ray
+        return cfg
+
+    return make
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_when(controller: NexRLController, group: str, step: int, no_restart: bool) -> None:
+    """In the background: once training reaches `step`, kill the actor of `group`."""
+    import ray
+
+    def watch() -> None:
+        system = controller.system
+        while execute(system.train_workers[0].get_train_step) < step:
+            time.sleep(0.05)
+        ray.kill(system.resource_manager.actors[group], no_restart=no_restart)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_ray_run_keeps_the_local_mode_contract(ray_local, ray_config):
+    controller = NexRLController(ray_config())
+    try:
+        final = controller.run()
+    finally:
+        controller.system.shutdown()
+    run = Path(controller.run_dir)
+    lines = read_metrics(run)
+    assert [line["step"] for line in lines if "train/loss" in line] == [1, 2, 3]
+    assert [line["step"] for line in lines if "val/reward" in line] == [0, 2, 3]
+    assert 0.0 <= final["val/reward"] <= 1.0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["global_step_3"]
+    step2 = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)
+    assert step2["staleness/max"] == 0
+    assert step2["rollout/serving_version"] == 1  # the shared engine got the pushed weights
+    assert step2["train/behavior_old_logprob_absdiff"] < 1e-4
+
+
+def test_a_dead_actor_stops_the_run_with_a_clear_error(ray_local, ray_config):
+    cfg = ray_config(
+        "train_worker.total_train_steps=50",
+        "runtime_monitor.health_check.check_interval=1.0",
+        "validate.validate_before_train=false",
+    )
+    controller = NexRLController(cfg)
+    kill_when(controller, "data", step=1, no_restart=True)
+    t0 = time.monotonic()
+    try:
+        # the liveness check (TrainingAborted) or the controller's next call to the dead
+        # actor (ModuleDiedError naming the method) - whichever comes first
+        with pytest.raises((TrainingAborted, ModuleDiedError), match="a module died|data_loader"):
+            controller.run()
+        assert not execute(controller.activity_tracker.check_module_liveness, 5.0)
+        dead = execute(controller.activity_tracker.get_dead_modules)
+    finally:
+        controller.system.shutdown()
+    assert {"data_loader", "trajectory_pool", "validator"} <= set(dead)
+    assert time.monotonic() - t0 < 120
+
+
+def test_a_restarted_rollout_actor_rejoins_and_the_run_finishes(ray_local, ray_config):
+    cfg = ray_config(
+        "train_worker.total_train_steps=4",
+        "weight.validate_freq=0",
+        "validate.validate_before_train=false",
+        ray={"groups": {"rollout": {"max_restarts": 1}}},
+    )
+    controller = NexRLController(cfg)
+    kill_when(controller, "rollout", step=1, no_restart=False)
+    try:
+        controller.run()
+    finally:
+        controller.system.shutdown()
+    lines = read_metrics(controller.run_dir)
+    assert [line["step"] for line in lines if "train/loss" in line] == [1, 2, 3, 4]
