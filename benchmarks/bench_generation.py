@@ -1,7 +1,8 @@
 """Generation throughput: nexrl's engine vs `transformers` `model.generate`, and HTTP overhead.
 
-For each model and concurrency c, both sides generate exactly `max_tokens` tokens (EOS
-ignored) for the same c prompts, `waves` times:
+For each model and concurrency c, both sides generate up to `max_tokens` tokens for the
+same c prompts, `waves` times (the engine ignores EOS; HF is credited with every position
+`generate` produced, padding after an early EOS included, which favours HF):
 
 - HF: one `model.generate` call on the c prompts as a left-padded batch (static batching,
   the strongest way to use `generate`);
@@ -47,7 +48,7 @@ def hf_tokens_per_s(model, tokenizer, batch: list[list[int]], max_tokens: int, w
     import copy
 
     cfg = copy.deepcopy(model.generation_config)
-    cfg.eos_token_id = None  # exactly max_tokens per row, like the engine's ignore_eos
+    cfg.eos_token_id = None  # generate may restore the model EOS: rows ending early get padded
     width = max(map(len, batch))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])

@@ -33,7 +33,12 @@ def _train(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 2
-    controller = NexRLController(cfg)
+    try:
+        controller = NexRLController(cfg)
+    except (ValueError, KeyError, FileNotFoundError) as exc:  # bad data / paths / names
+        logging.getLogger("nexrl").debug("set-up failed", exc_info=True)
+        print(f"nexrl train: {exc}", file=sys.stderr)
+        return 2
     print(f"nexrl: run dir {controller.run_dir}", flush=True)
     try:
         metrics = controller.run()

@@ -46,12 +46,12 @@ class RolloutWorkerConfig:
     (generate only), or an import path `package.module:Class`."""
     num_workers: int = 4
     """Rollout worker threads (local) or actors (Ray); each handles one task at a time."""
-    group_size: int = 8
+    group_size: int = 16
     """Samples per prompt (the GRPO group, the `n` of the request)."""
     reward_fn: str = "shift_letters"
     """Reward function name from the registry, or `package.module:function`."""
-    max_tokens: int = 8
-    """Maximum new tokens per sample."""
+    max_tokens: int = 4
+    """Maximum new tokens per sample (4: the built-in task's answers are 4 letters)."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts."""
     top_p: float = 1.0
@@ -66,9 +66,9 @@ class RolloutWorkerConfig:
 class TrajectoryPoolConfig:
     type: str = "default"
     """Pool type."""
-    batch_size: int = 128
+    batch_size: int = 256
     """Trajectories per batch (prompts x group_size)."""
-    group_size: int = 8
+    group_size: int = 16
     """Trajectories per group; a batch holds whole groups only."""
     key_list: list[str] = field(default_factory=lambda: ["uid"])
     """Grouping keys: [] no grouping, one key grouped, several keys hierarchical."""
@@ -126,7 +126,7 @@ class TrainWorkerConfig:
     """Worker type."""
     num_workers: int = 1
     """Train workers (data-parallel ranks are the engine's business)."""
-    total_train_steps: int = 300
+    total_train_steps: int = 500
     """Stop after this many optimizer steps."""
     save_freq: int = 100
     """Save a `global_step_N` checkpoint every N steps (0: only at the end)."""
@@ -150,7 +150,7 @@ class WeightConfig:
     """Largest allowed `train_step - min(token_versions)` of a trained sample (async
     modes; `sync` forces 0). Rollouts are admitted only within it and a group that
     would exceed it when its batch forms is dropped and its task re-queued."""
-    validate_freq: int = 10
+    validate_freq: int = 25
     """Validate after every N weight syncs (0: never during training)."""
     sync_every: int = 1
     """Async modes: push new weights after every N train steps (the version becomes

@@ -25,6 +25,11 @@ def set_default_timeout(seconds: float) -> None:
     DEFAULT_TIMEOUT_S = float(seconds)
 
 
+def default_timeout() -> float:
+    """The current default wait for Ray results, in seconds."""
+    return DEFAULT_TIMEOUT_S
+
+
 class ModuleDiedError(RuntimeError):
     """The Ray actor behind a module is dead; the message names the module and method."""
 

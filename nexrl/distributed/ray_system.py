@@ -19,15 +19,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nexrl.builders import BUILDERS
+from nexrl.builders import BUILDERS, inference_config
 from nexrl.distributed.execute import execute, set_default_timeout
 from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager, runtime_env_for
+from nexrl.distributed.virtual_cluster import RayVirtualCluster
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.system import LocalSystem
 from nexrl.types import NexRLRole
@@ -61,6 +64,8 @@ class RaySettings:
     max_restarts: int = 0
     colocation: dict[str, str | None] = field(default_factory=lambda: dict(DEFAULT_COLOCATION))
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    train_ranks: dict[str, Any] = field(default_factory=dict)
+    inference_replicas: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: DictConfig) -> RaySettings:
@@ -118,6 +123,8 @@ def actor_env(settings: RaySettings) -> dict[str, str]:
 def check_layout(cfg: DictConfig, colocation: dict[str, str | None]) -> None:
     """An in-process engine is only shared inside one actor: fail early with the fix."""
     backend = cfg.service.inference_service.backend
+    if OmegaConf.select(cfg, "service.inference_service.engine.replica_actors", default=None):
+        return  # every module reaches the same replica actors
     rollout = colocation.get(NexRLRole.ROLLOUT_WORKER.value)
     wsc = colocation.get(NexRLRole.WEIGHT_SYNC_CONTROLLER.value)
     if backend in IN_PROCESS_BACKENDS and (rollout is None or rollout != wsc):
@@ -128,15 +135,69 @@ def check_layout(cfg: DictConfig, colocation: dict[str, str | None]) -> None:
         )
 
 
+def build_ray_train_worker(cfg: DictConfig) -> Any:
+    """TRAIN_WORKER in Ray mode: a data-parallel worker group when `ray.train_ranks` asks."""
+    from nexrl.distributed.dp_train import build_ray_train_worker as build
+
+    return build(cfg)
+
+
+def start_inference_replicas(
+    cfg: DictConfig, settings: RaySettings, env: dict[str, str]
+) -> tuple[RayVirtualCluster, list[Any], DictConfig]:
+    """Replica actors on their own bundles; returns the cluster, the actors and `cfg` with
+    `service.inference_service.engine.replica_actors` naming them (the client's hook)."""
+    from nexrl.inference.replicas import InferenceReplica
+
+    layout = dict(settings.inference_replicas)
+    cpus, gpus = (
+        float(layout.get("num_cpus_per_bundle", 1.0)),
+        float(layout.get("num_gpus_per_bundle", 0.0)),
+    )
+    cluster = RayVirtualCluster(
+        layout["bundles_per_node"],
+        use_gpus=gpus > 0,
+        num_gpus_per_bundle=gpus or 1.0,
+        num_cpus_per_bundle=cpus,
+        name="nexrl-inference",
+    )
+    engine_config = inference_config(cfg)
+    prefix = f"nexrl-replica-{uuid.uuid4().hex[:8]}"
+    names, actors = [], []
+    for i, (pg, index) in enumerate(cluster.bundle_locations()):
+        names.append(f"{prefix}-{i}")
+        options = dict(
+            name=names[-1],
+            num_cpus=cpus,
+            num_gpus=gpus,
+            max_concurrency=settings.max_concurrency,
+            max_restarts=settings.max_restarts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, index),
+            runtime_env=runtime_env_for(env),
+        )
+        actors.append(ray.remote(InferenceReplica).options(**options).remote(engine_config))
+    ray.get([a.health.remote() for a in actors])
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.service.inference_service.engine.replica_actors = names
+    return cluster, actors, cfg
+
+
 class RaySystem:
     """Every module in a Ray actor; the driver holds wrappers (see module docstring)."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = RaySettings.from_config(cfg)
-        check_layout(cfg, self.settings.colocation)
         self._owns_ray = init_ray(self.settings)
         set_default_timeout(self.settings.execute_timeout_s)
         env = actor_env(self.settings)
+        self.replica_cluster: RayVirtualCluster | None = None
+        self.replicas: list[Any] = []
+        if self.settings.inference_replicas.get("bundles_per_node"):
+            self.replica_cluster, self.replicas, cfg = start_inference_replicas(
+                cfg, self.settings, env
+            )
+        check_layout(cfg, self.settings.colocation)
         self.activity_tracker = (
             ray.remote(ActivityTracker)
             .options(
@@ -153,7 +214,8 @@ class RaySystem:
             NexRLRole.TRAIN_WORKER: cfg.train_worker.num_workers,
             NexRLRole.ROLLOUT_WORKER: cfg.rollout_worker.num_workers,
         }
-        for role, builder in BUILDERS.items():
+        builders = {**BUILDERS, NexRLRole.TRAIN_WORKER: build_ray_train_worker}
+        for role, builder in builders.items():
             group = self.settings.colocation.get(role.value)
             self.resource_manager.register_role(role, builder, cfg, counts.get(role, 1), group)
         self.resource_manager.create_all_actors()
@@ -196,5 +258,9 @@ class RaySystem:
         """Kill every actor of this run (and Ray itself if this system started it)."""
         self.resource_manager.kill_all()
         ray.kill(self.activity_tracker, no_restart=True)
+        for replica in self.replicas:
+            ray.kill(replica, no_restart=True)
+        if self.replica_cluster is not None:
+            self.replica_cluster.shutdown()
         if self._owns_ray:
             ray.shutdown()

@@ -47,6 +47,10 @@ def _cfg(config: Mapping, key: str, default: Any = None) -> Any:
 
 def create_engine(config: Mapping) -> InferenceEngine:
     """A new in-process engine for `config` (`backend` builtin or hf)."""
+    if config.get("replica_actors"):  # Ray mode: engines in replica actors (docs/ray.md)
+        from nexrl.inference.replicas import ReplicaBalancer
+
+        return ReplicaBalancer.connect(config)
     backend = _cfg(config, "backend", "builtin")
     options = {k: config[k] for k in _ENGINE_OPTIONS if config.get(k) is not None}
     model = _cfg(config, "model")

@@ -96,6 +96,10 @@ def build_tiny_qwen2(
     return path
 
 
+# Bump when the tokenizer or the architecture changes, so that a stale cache is not reused.
+DEFAULT_MODEL_VERSION = 2
+
+
 def default_model_path() -> Path:
     """Path of the embedded default model, built on first use."""
-    return build_tiny_qwen2(cache_dir() / "models" / "tiny-qwen2-char")
+    return build_tiny_qwen2(cache_dir() / "models" / f"tiny-qwen2-char-v{DEFAULT_MODEL_VERSION}")

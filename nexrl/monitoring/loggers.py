@@ -66,7 +66,7 @@ class ConsoleBackend:
     def __init__(self, console_keys: list[str] | None = None, **_: Any) -> None:
         from rich.console import Console
 
-        self._console = Console(highlight=False)
+        self._console = Console(highlight=False, soft_wrap=True)  # one line per step
         self._keys = list(console_keys) if console_keys is not None else list(DEFAULT_CONSOLE_KEYS)
         self.total_steps: int | None = None
         self._first: tuple[int, float] | None = None

@@ -36,6 +36,11 @@ from typing import Any
 SYNC_MODES = ("sync", "batch-async", "fully-async")
 
 
+def _get(config: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = config.get(key, default)
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
 class SamplePolicy:
     """The knobs of `weight.*` that shape rollout admission (see docs/async.md)."""
@@ -58,11 +63,11 @@ class SamplePolicy:
         policy = cls(
             sync_mode=mode,
             staleness_threshold=0 if mode == "sync" else int(config.get("staleness_threshold", 0)),
-            over_sample_threshold=float(config.get("over_sample_threshold", 0.0) or 0.0),
+            over_sample_threshold=float(_get(config, "over_sample_threshold", 0.0)),
             enable_partial_rollout=bool(config.get("enable_partial_rollout", False)),
-            tail_batch_candidate_steps=int(config.get("tail_batch_candidate_steps", 0) or 0),
-            tail_batch_trigger_size=int(config.get("tail_batch_trigger_size", 0) or 0),
-            sync_every=1 if mode == "sync" else int(config.get("sync_every", 1) or 1),
+            tail_batch_candidate_steps=int(_get(config, "tail_batch_candidate_steps", 0)),
+            tail_batch_trigger_size=int(_get(config, "tail_batch_trigger_size", 0)),
+            sync_every=1 if mode == "sync" else int(_get(config, "sync_every", 1)),
             groups_per_batch=None if gpb is None else int(gpb),
         )
         policy.check()

@@ -58,7 +58,7 @@ def build_batch(tokenizer: Any, pairs: Sequence[tuple[str, str]]) -> Batch:
     """Right-padded token batch; loss_mask covers the response and its EOS."""
     rows = []
     for prompt, response in pairs:
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        p = tokenizer(prompt)["input_ids"]  # the tokenizer's BOS, exactly as RL rollouts see it
         r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((p, r))
     width = max(len(p) + len(r) for p, r in rows)
@@ -84,6 +84,17 @@ def exact_match(engine: TorchTrainEngine, batch: Batch) -> float:
     return float(correct.all(-1).float().mean())
 
 
+def dataset_pairs(path: str, prompt_key: str, response_key: str) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from a jsonl / json / parquet file or a saved dataset."""
+    from nexrl.data.hf import load_hf_dataset
+
+    rows = load_hf_dataset(path)
+    missing = {prompt_key, response_key} - set(rows.column_names)
+    if missing:
+        raise ValueError(f"{path}: no column(s) {sorted(missing)}; columns: {rows.column_names}")
+    return [(str(r[prompt_key]), str(r[response_key])) for r in rows]
+
+
 def run_sft(
     model_path: str,
     output: str,
@@ -92,18 +103,28 @@ def run_sft(
     engine_config: EngineConfig | dict[str, Any] | None = None,
     seed: int = 0,
     eval_size: int = 128,
+    pairs: Sequence[tuple[str, str]] | None = None,
 ) -> dict[str, float]:
-    """Train `steps` steps on fresh shift-letters batches, save to `output`, return metrics."""
+    """Train `steps` steps, save to `output`, return metrics.
+
+    `pairs` (prompt, response) are sampled with replacement; without them each
+    step draws fresh shift-letters pairs.
+    """
     from transformers import AutoTokenizer
 
     engine = TorchTrainEngine(EngineConfig.from_mapping(engine_config or {}), model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    eval_batch = build_batch(tokenizer, shift_letters(eval_size, seed=10_000 + seed))
+    rng = random.Random(seed)
+    held_out = list(pairs[:eval_size]) if pairs else shift_letters(eval_size, seed=10_000 + seed)
+    eval_batch = build_batch(tokenizer, held_out)
     before = exact_match(engine, eval_batch)
     metrics: dict[str, float] = {}
     for step in range(steps):
-        pairs = shift_letters(batch_size, seed=seed * 1_000_003 + step)
-        metrics = engine.train_batch(build_batch(tokenizer, pairs), NLL_LOSS, {})
+        if pairs:
+            chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
+        else:
+            chosen = shift_letters(batch_size, seed=seed * 1_000_003 + step)
+        metrics = engine.train_batch(build_batch(tokenizer, chosen), NLL_LOSS, {})
     engine.save(output)
     return {
         "loss": metrics.get("loss", float("nan")),
@@ -125,6 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data",
+        default=None,
+        help="jsonl/json/parquet or saved dataset (default: generated shift-letters pairs)",
+    )
+    p.add_argument("--prompt-key", default="prompt")
+    p.add_argument("--response-key", default="answer")
     p.add_argument("overrides", nargs="*", help="engine config overrides, e.g. lr=1e-3")
     args = p.parse_args(argv)
     overrides = OmegaConf.to_container(OmegaConf.from_dotlist(list(args.overrides)))
@@ -136,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batch_size,
         engine_config,
         args.seed,
+        pairs=dataset_pairs(args.data, args.prompt_key, args.response_key) if args.data else None,
     )
     print(json.dumps({**result, "output": str(Path(args.output).resolve())}))
     return 0

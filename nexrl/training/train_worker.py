@@ -143,7 +143,8 @@ class TrainWorker(NexRLModule):
         serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
         self._log(batch, metrics, t0, serving)
         self._activity_tracker.set_training_step(step)
-        self._activity_tracker.increment("tasks_trained", len(set(batch.metadata["uids"])))
+        uids = batch.metadata.get("uids") or []
+        self._activity_tracker.increment("tasks_trained", len(set(uids)))  # ledger: groups
         execute(
             self._weight_sync_controller.train_worker_notify_weight_update,
             self._module_name,

@@ -36,7 +36,9 @@ def test_group_reaches_the_pool_with_engine_tokens(parts):
     assert worker._loop_once()
     batch = pool.get_batch()
     assert len(batch) == 4 and len(set(batch.values["uid"])) == 1
-    for ids, lps in zip(batch.values["response_ids"], batch.values["response_logprobs"], strict=True):
+    for ids, lps in zip(
+        batch.values["response_ids"], batch.values["response_logprobs"], strict=True
+    ):
         assert len(ids) == len(lps) and all(lp <= 0 for lp in lps)
     assert all(0.0 <= r <= 1.0 for r in batch.values["reward"])
 

@@ -32,7 +32,7 @@ def test_completion_with_logprobs_and_ids(sdk, engine):
         logprobs=0,
         n=3,
         seed=1,
-        extra_body={"stop_token_ids": []},
+        extra_body={"ignore_eos": True},
     ).model_dump()
     assert len(resp["choices"]) == 3
     prompt_ids = engine.tokenizer("hello")["input_ids"]  # BOS added, as vLLM does
@@ -136,7 +136,7 @@ def test_client_remote_weight_update_and_abort(server, engine, other_weights_pat
     client.pause()
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(
-            client.completion, prompt_ids=[5, 6], max_tokens=200, rid="slow", stop_token_ids=[]
+            client.completion, prompt_ids=[5, 6], max_tokens=200, rid="slow", ignore_eos=True
         )
         time.sleep(0.3)
         client.abort("slow")

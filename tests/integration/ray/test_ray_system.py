@@ -119,3 +119,28 @@ def test_a_restarted_rollout_actor_rejoins_and_the_run_finishes(ray_local, ray_c
         controller.system.shutdown()
     lines = read_metrics(controller.run_dir)
     assert [line["step"] for line in lines if "train/loss" in line] == [1, 2, 3, 4]
+
+
+def test_data_parallel_ranks_and_inference_replicas_on_their_own_bundles(ray_local, ray_config):
+    cfg = ray_config(
+        ray={
+            "train_ranks": {"bundles_per_node": [2], "num_cpus_per_bundle": 0.5},
+            "inference_replicas": {"bundles_per_node": [2], "num_cpus_per_bundle": 0.5},
+        }
+    )
+    controller = NexRLController(cfg)
+    try:
+        controller.run()
+        replicas = controller.system.replicas
+        versions = [execute(r.version) for r in replicas]
+        served = [execute(r.served) for r in replicas]
+    finally:
+        controller.system.shutdown()
+    lines = read_metrics(controller.run_dir)
+    assert [line["step"] for line in lines if "train/loss" in line] == [1, 2, 3]
+    assert versions == [3, 3]  # every replica got every push
+    assert min(served) > 0  # both replicas served rollouts
+    step2 = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)
+    assert step2["rollout/serving_version"] == 1
+    # 2 train ranks recompute the logprobs the replicas sampled with: same weights
+    assert step2["train/behavior_old_logprob_absdiff"] < 1e-4

@@ -29,7 +29,7 @@ def engine(tiny_path):
 
 def test_completion_result_contract(engine):
     client = LLMServiceClient({"backend": "builtin"}, engine=engine)
-    out = client.completion("abc", max_tokens=6, n=2, seed=3, stop_token_ids=[])
+    out = client.completion("abc", max_tokens=6, n=2, seed=3, ignore_eos=True)
     assert out["prompt"] == "abc"
     assert out["prompt_ids"] == engine.tokenizer("abc", add_special_tokens=True)["input_ids"]
     assert len(out["choices"]) == 2 and set(out["choices"][0]) >= KEYS

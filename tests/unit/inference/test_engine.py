@@ -38,7 +38,7 @@ def test_protocol_and_factory(engine, tiny_path):
 
 def test_logprob_parity_with_trainer(engine, hf_model, trainer_logprobs):
     """Engine logprobs == log_softmax(full forward) of the trainer, within 1e-4 (fp32)."""
-    resp = _gen(engine, max_new_tokens=30, n=4, seed=11, stop_token_ids=[])
+    resp = _gen(engine, max_new_tokens=30, n=4, seed=11, ignore_eos=True)
     for out in resp.outputs:
         ref = trainer_logprobs(hf_model, PROMPT + out.output_ids)[len(PROMPT) - 1 :]
         assert len(out.output_logprobs) == len(out.output_ids) > 0
@@ -65,7 +65,7 @@ def test_seed_gives_same_output_whatever_the_batch(engine):
 
 
 def test_temperature_sharpens_and_topk_restricts(engine, hf_model):
-    out = _gen(engine, max_new_tokens=40, top_k=1, stop_token_ids=[]).outputs[0]
+    out = _gen(engine, max_new_tokens=40, top_k=1, ignore_eos=True).outputs[0]
     greedy = _gen(engine, max_new_tokens=40, temperature=0.0).outputs[0]
     n = min(len(out.output_ids), len(greedy.output_ids))
     assert out.output_ids[:n] == greedy.output_ids[:n]
@@ -75,7 +75,7 @@ def test_temperature_sharpens_and_topk_restricts(engine, hf_model):
 
 
 def test_stop_tokens_strings_and_length(engine):
-    greedy = _gen(engine, max_new_tokens=12, temperature=0.0, stop_token_ids=[]).outputs[0]
+    greedy = _gen(engine, max_new_tokens=12, temperature=0.0, ignore_eos=True).outputs[0]
     tok = greedy.output_ids[4]
     first = greedy.output_ids.index(tok)
     stopped = _gen(engine, max_new_tokens=12, temperature=0.0, stop_token_ids=[tok]).outputs[0]
@@ -86,10 +86,7 @@ def test_stop_tokens_strings_and_length(engine):
     by_str = _gen(engine, max_new_tokens=12, temperature=0.0, stop=[stop_str]).outputs[0]
     assert by_str.finish_reason == "stop"
     assert by_str.text == text[: text.find(stop_str)]
-    assert _gen(engine, max_new_tokens=3, stop_token_ids=[]).outputs[0].finish_reason in (
-        "length",
-        "stop",
-    )
+    assert _gen(engine, max_new_tokens=3, ignore_eos=True).outputs[0].finish_reason == "length"
     empty = _gen(engine, max_new_tokens=0).outputs[0]
     assert empty.output_ids == [] and empty.finish_reason == "length"
 
@@ -98,7 +95,7 @@ def test_concurrent_requests_share_the_batch(engine):
     steps_before = engine.stats["steps"]
     with ThreadPoolExecutor(16) as pool:
         futs = [
-            pool.submit(_gen, engine, [5 + i % 7, 6], max_new_tokens=20, stop_token_ids=[])
+            pool.submit(_gen, engine, [5 + i % 7, 6], max_new_tokens=20, ignore_eos=True)
             for i in range(16)
         ]
         outs = [f.result() for f in futs]
@@ -122,7 +119,7 @@ def test_abort_returns_partial_output(tiny_path):
     try:
         eng.pause()
         fut = eng.submit(
-            GenerationRequest(PROMPT, SamplingParams(max_new_tokens=100, stop_token_ids=[]), "r1")
+            GenerationRequest(PROMPT, SamplingParams(max_new_tokens=100, ignore_eos=True), "r1")
         )
         other = eng.submit(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=5), "r2"))
         eng.resume()
@@ -142,7 +139,7 @@ def test_pause_holds_and_weight_update_bumps_version(tiny_path, other_weights_pa
     eng = build_engine(tiny_path, max_batch_size=8)
     assert isinstance(eng, Engine)
     try:
-        before = _gen(eng, max_new_tokens=20, temperature=0.0, stop_token_ids=[]).outputs[0]
+        before = _gen(eng, max_new_tokens=20, temperature=0.0, ignore_eos=True).outputs[0]
         eng.pause()
         fut = eng.submit(
             GenerationRequest(PROMPT, SamplingParams(max_new_tokens=20, temperature=0.0))
@@ -160,7 +157,7 @@ def test_pause_holds_and_weight_update_bumps_version(tiny_path, other_weights_pa
 
         orig = AutoModelForCausalLM.from_pretrained(str(tiny_path)).state_dict()
         eng.update_weights(WeightUpdateMeta(version=2, state_dict=orig))
-        again = _gen(eng, max_new_tokens=20, temperature=0.0, stop_token_ids=[]).outputs[0]
+        again = _gen(eng, max_new_tokens=20, temperature=0.0, ignore_eos=True).outputs[0]
         assert again.output_ids == before.output_ids and eng.version == 2
         assert again.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-5)
     finally:
@@ -171,7 +168,7 @@ def test_partial_rollout_spans_versions(tiny_path, other_weights_path):
     eng = Engine(tiny_path, max_batch_size=4)
     try:
         fut = eng.submit(
-            GenerationRequest(PROMPT, SamplingParams(max_new_tokens=200, stop_token_ids=[]))
+            GenerationRequest(PROMPT, SamplingParams(max_new_tokens=200, ignore_eos=True))
         )
         while eng.stats["generated_tokens"] < 5:
             threading.Event().wait(0.001)

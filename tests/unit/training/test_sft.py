@@ -27,10 +27,11 @@ def test_build_batch_masks_the_prompt(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     batch = build_batch(tok, [("az>", "ba"), ("abcd>", "bcde")])
     ids = batch.values["input_ids"]
-    assert tok.decode(ids[0, :5]) == "az>ba" and int(ids[0, 5]) == tok.eos_token_id
-    assert batch.values["loss_mask"][0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
-    assert batch.values["attention_mask"][0].tolist() == [1] * 6 + [0] * 4
-    assert batch.values["loss_mask"][1].tolist() == [0] * 5 + [1] * 5
+    # BOS + prompt, then the response and EOS (the only tokens in the loss)
+    assert tok.decode(ids[0, :6]) == "<s>az>ba" and int(ids[0, 6]) == tok.eos_token_id
+    assert batch.values["loss_mask"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+    assert batch.values["attention_mask"][0].tolist() == [1] * 7 + [0] * 4
+    assert batch.values["loss_mask"][1].tolist() == [0] * 6 + [1] * 5
 
 
 def test_nll_loss_through_compute_loss_is_cross_entropy_on_the_response(tiny_model):
@@ -86,3 +87,40 @@ def test_main_runs_with_overrides(tiny_model, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2.0
     with pytest.raises(ValueError, match="bogus"):
         main(["--model-path", tiny_model, "--output", str(out), "--steps", "1", "bogus=1"])
+
+
+def test_sft_on_a_jsonl_dataset_then_rl_warm_start_loads(tmp_path, tiny_model):
+    from nexrl.training.sft import main
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{w}>", "a": w}) + "\n" for w in ["ab", "cd", "ef"]))
+    out = tmp_path / "warm"
+    assert (
+        main(
+            [
+                "--model-path",
+                tiny_model,
+                "--output",
+                str(out),
+                "--steps",
+                "2",
+                "--batch-size",
+                "3",
+                "--data",
+                str(data),
+                "--prompt-key",
+                "q",
+                "--response-key",
+                "a",
+            ]
+        )
+        == 0
+    )
+    from nexrl.config import load_config
+
+    cfg = load_config([f"model_path={out}"])  # the RL run's warm start
+    assert AutoTokenizer.from_pretrained(cfg.model_path).bos_token_id is not None
+    with pytest.raises(ValueError, match="no column"):
+        main(
+            ["--model-path", tiny_model, "--output", str(out), "--steps", "1", "--data", str(data)]
+        )

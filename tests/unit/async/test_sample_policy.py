@@ -1,0 +1,156 @@
+"""Admission ledger: hand-computed capacities, and the bound under random schedules."""
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from nexrl.data import InMemoryDataLoader
+from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+from nexrl.pools import TrajectoryPool
+from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
+from nexrl.weight_sync import WeightSyncController
+
+
+def ledger(k=1, gpb=2, f=0.0, mode="batch-async"):
+    return AdmissionLedger(
+        SamplePolicy(
+            sync_mode=mode, staleness_threshold=k, over_sample_threshold=f, groups_per_batch=gpb
+        )
+    )
+
+
+def test_capacity_is_k_plus_one_batches_ahead_of_the_serving_version():
+    led = ledger(k=1, gpb=2)
+    assert led.capacity() == 4  # batches 0 and 1 may fill on version 0
+    assert [led.acquire() for _ in range(5)] == [True] * 4 + [False]
+    assert led.batch_formed(2) == 0  # batch 0 formed: lag 1, (1 + 1 - 1) * 2 = 2 slots
+    assert led.capacity() == 2 and led.outstanding == 2 and not led.acquire()
+    led.set_version(1)
+    assert led.capacity() == 4 and led.acquire()
+
+
+def test_over_sampling_adds_a_fraction_of_a_batch():
+    assert ledger(k=0, gpb=10, f=0.2).capacity() == 12
+    assert ledger(k=0, gpb=3, f=0.2).capacity() == 4  # ceil(0.6)
+
+
+def test_sync_mode_forces_k_zero_and_sync_every_one():
+    policy = SamplePolicy.from_config(
+        {"sync_mode": "sync", "staleness_threshold": 3, "sync_every": 2, "groups_per_batch": 2}
+    )
+    assert policy.staleness_threshold == 0 and policy.sync_every == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("staleness_threshold", -1), ("sync_every", 0), ("over_sample_threshold", -0.1)],
+)
+def test_bad_values_name_the_key(key, value):
+    with pytest.raises(ValueError, match=f"weight.{key}"):
+        SamplePolicy.from_config({"sync_mode": "fully-async", key: value})
+
+
+def test_unknown_mode_lists_the_choices():
+    with pytest.raises(ValueError, match="batch-async"):
+        SamplePolicy.from_config({"sync_mode": "async"})
+
+
+class NullInference:
+    """Stands in for the inference side (no model needed to check bookkeeping)."""
+
+    def update_weights(self, meta):
+        pass
+
+    def pause(self):
+        pass
+
+    def abort(self, rid=None):
+        pass
+
+    def resume(self):
+        pass
+
+
+def make_system(k, gpb, f, group_size=2):
+    wsc = WeightSyncController(
+        {
+            "sync_mode": "fully-async",
+            "staleness_threshold": k,
+            "over_sample_threshold": f,
+            "groups_per_batch": gpb,
+        },
+        NullInference(),
+        "/tmp/unused",
+    )
+    loader = InMemoryDataLoader({}, items=[{"prompt": f"p{i}"} for i in range(10_000)])
+    pool = TrajectoryPool(
+        {"batch_size": gpb * group_size, "group_size": group_size, "key_list": ["uid"]}
+    )
+    tracker = ActivityTrackerProxy(ActivityTracker({}))
+    for m in (wsc, pool, loader):
+        m.set_activity_tracker(tracker)
+    pool.set_module_references(loader, wsc)
+    wsc.set_module_references(loader, pool)
+    return wsc, pool, loader, tracker
+
+
+OVER_SENT_LANDS_LATE = [
+    ("s", 0),
+    ("s", 0),
+    ("d", 1),
+    ("d", 0),
+    ("b", 0),
+    ("b", 0),
+    ("t", 0),
+    ("t", 0),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@example(k=0, gpb=1, f=1.0, actions=OVER_SENT_LANDS_LATE)
+@given(
+    k=st.integers(0, 3),
+    gpb=st.integers(1, 3),
+    f=st.sampled_from([0.0, 0.5, 1.0]),
+    actions=st.lists(st.tuples(st.sampled_from("sdbt"), st.integers(0, 1000)), max_size=60),
+)
+def test_random_schedules_never_train_a_sample_beyond_the_bound(k, gpb, f, actions):
+    """s: a group starts (if admitted); d: a random running group is delivered
+    (any order); b: the pool forms a batch; t: the oldest formed batch trains and
+    the weights are pushed. Every trained sample has staleness <= k."""
+    wsc, pool, loader, tracker = make_system(k, gpb, f)
+    running: list[tuple[dict, int]] = []
+    formed: list = []
+    for action, pick in actions:
+        version = wsc.get_rollout_model_version()
+        if action == "s" and wsc.acquire_rollout("default"):
+            wsc.finish_generation("default")
+            running.append((loader.get_next_item(), version))
+        elif action == "d" and running:
+            task, v = running.pop(pick % len(running))
+            group = [
+                {
+                    "uid": task["uid"],
+                    "model_version": v,
+                    "token_versions": [v, version],
+                    "model_tag": "default",
+                    "_nexrl_task": task,
+                }
+                for _ in range(2)
+            ]
+            assert pool.put_trajectory_group(group) == "success"
+        elif action == "b":
+            batch = pool.get_batch()
+            if batch is not None:
+                formed.append(batch)
+        elif action == "t" and formed:
+            batch = formed.pop(0)
+            step = batch.metadata["batch_index"]
+            assert step == wsc.get_admission_state()["version"]  # trains in order
+            for versions in batch.values["token_versions"]:
+                assert step - min(versions) <= k
+            wsc.train_worker_notify_weight_update("train_worker_0", "default")
+        state = wsc.get_admission_state()
+        in_pool = pool.num_ready() // 2
+        assert state["outstanding"] == len(running) + in_pool  # the ledger is exact
+        assert state["outstanding"] <= (k + 1) * gpb + int(-(-f * gpb // 1))
