@@ -131,25 +131,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (< 2 minutes)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--delay", type=float, default=0.01, help="emulated s per engine step")
+    parser.add_argument("--delay", type=float, default=0.015, help="emulated s per engine step")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--repeats", type=int, default=None, help="best-of-N (default 2, quick 1)")
     args = parser.parse_args(argv)
-    steps = args.steps or (4 if args.quick else 16)
+    steps = args.steps or (5 if args.quick else 30)
+    args.repeats = args.repeats or (1 if args.quick else 2)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_async_"))
     model = build_tiny_qwen2(tmp / "model")
     tasks = {"default": [], "long_tail": write_long_tail_task(tmp)}
-    results: list[dict[str, Any]] = []
-    for engine_kind, delay in (("cpu", 0.0), ("emulated", args.delay)):
-        for task, task_over in tasks.items():
-            for name, over in VARIANTS.items():
-                install_engine(model, delay)
-                res = run_once([*base_overrides(tmp / "out", model, steps), *task_over, *over])
-                res.update(engine=engine_kind, task=task, variant=name)
-                results.append(res)
-                print(_row(res), flush=True)
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):  # interleaved: load from other users hits every variant
+        for engine_kind, delay in (("cpu", 0.0), ("emulated", args.delay)):
+            for task, task_over in tasks.items():
+                for name, over in VARIANTS.items():
+                    install_engine(model, delay)
+                    res = run_once([*base_overrides(tmp / "out", model, steps), *task_over, *over])
+                    res.update(engine=engine_kind, task=task, variant=name, rep=rep)
+                    runs.append(res)
+                    print(_row(res), flush=True)
     inference_client.shutdown_local_engines()
+    results = _best(runs)
     ratios = _ratios(results)
     for key, value in ratios.items():
         if key != "fully_async_vs_sync_emulated":
@@ -157,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     _write(args.out, results, ratios, steps, args.delay, args.quick)
     print(f"fully_async_vs_sync_emulated: {ratios['fully_async_vs_sync_emulated']:.2f}")
     return 0
+
+
+def _best(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (engine, task, variant): the repeat with the highest samples/s (best-of-N:
+    the least disturbed by other processes on a shared machine)."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in runs:
+        key = (r["engine"], r["task"], r["variant"])
+        if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
+            best[key] = r
+    return list(best.values())
 
 
 def _pick(results: list[dict[str, Any]], engine: str, task: str, variant: str) -> dict[str, Any]:
@@ -198,8 +213,8 @@ def _write(out: Path, results: list, ratios: dict, steps: int, delay: float, qui
         "",
         f"`python benchmarks/bench_async.py{' --quick' if quick else ''}`: {steps} steps of "
         f"32 samples (8 prompts x 4) per run; emulated engine sleeps {delay * 1000:.0f} ms per "
-        "step. samples/s over steps 2..N; val/reward after the last step (fixed steps, "
-        "not time-to-0.9: see the script's docstring).",
+        "step. samples/s over steps 2..N, best of the interleaved repeats; val/reward after "
+        "the last step (fixed steps, not time-to-0.9: see the script's docstring).",
         "",
         header,
         *(_row(r) for r in results),

@@ -45,6 +45,8 @@ def _train(argv: list[str]) -> int:
     except TrainingAborted as exc:
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 1
+    finally:
+        controller.shutdown()
     print(f"nexrl: done; final {metrics}", flush=True)
     return 0
 

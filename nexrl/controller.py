@@ -102,8 +102,10 @@ class NexRLController:
 
     def _check_module_liveness(self, timeout: float = 5.0) -> bool:
         if not execute(self.activity_tracker.check_module_liveness, timeout):
+            dead = execute(self.activity_tracker.get_dead_modules)
             raise TrainingAborted(
-                "a module died: " + execute(self.activity_tracker.get_running_status_summary)
+                f"module(s) {dead} died or stopped answering; in flight: "
+                + execute(self.activity_tracker.get_running_status_summary)
             )
         return True
 
@@ -193,6 +195,15 @@ class NexRLController:
             step=self._train_step(),
         )
         execute(self.activity_tracker.close)
+
+    def shutdown(self) -> None:
+        """Release what the run holds beyond `run()` (Ray actors and placement groups).
+
+        Separate from `run()` so that the tracker can still be inspected after a run.
+        """
+        shutdown = getattr(self.system, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def _ledger(self) -> dict[str, Any]:
         return dict(execute(self.activity_tracker.get_counters))

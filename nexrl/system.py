@@ -108,5 +108,10 @@ class LocalSystem:
             execute(module.run)
 
     def stop(self) -> None:
+        from nexrl.inference.client import shutdown_local_engines
+
         for module in reversed(self._loops()):
             execute(module.stop)
+        # the in-process engines belong to this run: a later run in the same
+        # process must start from its own weights and version 0
+        shutdown_local_engines()

@@ -278,6 +278,34 @@ class RuntimeMonitorConfig:
 
 
 @dataclass
+class RayConfig:
+    address: str | None = None
+    """null starts a local Ray; `auto` or `ray://host:10001` joins a running cluster."""
+    num_cpus: int | None = None
+    """CPUs of a locally started Ray (null: all)."""
+    num_gpus: int | None = None
+    """GPUs of a locally started Ray (null: all)."""
+    namespace: str = "nexrl"
+    """Ray namespace of the run's actors."""
+    execute_timeout_s: float = 600.0
+    """Longest wait for a cross-actor call (`execute`), here and in every actor."""
+    max_concurrency: int = 64
+    """Threads per module actor (loops, calls from other actors and health checks)."""
+    max_restarts: int = 0
+    """Ray restarts of a dead module actor; nexrl rebuilds and rewires its modules."""
+    colocation: dict[str, str | None] = field(default_factory=dict)
+    """role -> colocation group (null: an actor of its own), over the default layout
+    data / train / rollout (docs/ray.md)."""
+    groups: dict[str, Any] = field(default_factory=dict)
+    """group -> {num_cpus, num_gpus, max_concurrency, max_restarts, resources}."""
+    train_ranks: dict[str, Any] = field(default_factory=dict)
+    """Data-parallel train ranks as a worker group: {bundles_per_node: [n, ...],
+    num_cpus_per_bundle, num_gpus_per_bundle}; empty: one in-actor engine."""
+    inference_replicas: dict[str, Any] = field(default_factory=dict)
+    """Inference engine replicas on their own bundles, same keys as `train_ranks`."""
+
+
+@dataclass
 class RLTrainConfig:
     launch_mode: str = "local"
     """`local` (threads in one process) or `ray`."""
@@ -305,6 +333,8 @@ class RLTrainConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     runtime_monitor: RuntimeMonitorConfig = field(default_factory=RuntimeMonitorConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray mode settings (`launch_mode: ray`; docs/ray.md)."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -102,11 +102,13 @@ def init_ray(settings: RaySettings) -> bool:
     """`ray.init` unless already connected; True when this call started/connected Ray."""
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"namespace": settings.namespace, "include_dashboard": False}
-    if settings.address:
+    kwargs: dict[str, Any] = {"namespace": settings.namespace}
+    if settings.address:  # joining a cluster: its resources are set by `ray start`
         kwargs["address"] = settings.address
     else:
-        kwargs.update(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
+        kwargs.update(
+            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, include_dashboard=False
+        )
     ray.init(**kwargs, runtime_env={"env_vars": actor_env(settings)})
     return True
 
@@ -249,7 +251,9 @@ class RaySystem:
         LocalSystem.start(self)  # type: ignore[arg-type]
 
     def stop(self) -> None:
-        LocalSystem.stop(self)  # type: ignore[arg-type]
+        """Stop the module loops; the actors stay up until `shutdown()`."""
+        for module in reversed(self._loops()):
+            execute(module.stop)
 
     def _loops(self) -> list[Any]:
         return LocalSystem._loops(self)  # type: ignore[arg-type]

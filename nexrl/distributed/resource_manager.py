@@ -49,7 +49,7 @@ _EXTRA_METHODS = ("__len__",)
 
 def module_key(role: NexRLRole | str, index: int) -> str:
     """The role prefix of one module inside its actor: `"<role>_<index>"`."""
-    return f"{NexRLRole(role).value if isinstance(role, NexRLRole) else role}_{index}"
+    return f"{_role_name(role)}_{index}"
 
 
 def public_methods(obj: Any) -> list[str]:

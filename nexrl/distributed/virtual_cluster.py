@@ -11,6 +11,7 @@ of waiting forever as a bare `pg.ready()` would.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import ray
@@ -43,7 +44,9 @@ class RayVirtualCluster:
         self.bundle = {"CPU": float(num_cpus_per_bundle)}
         if use_gpus:
             self.bundle["GPU"] = float(num_gpus_per_bundle)
-        self.name = name
+        # Named placement groups live as long as the Ray job: a unique suffix lets a
+        # second run (or a restarted actor) in the same job place its own groups.
+        self.name = f"{name}-{uuid.uuid4().hex[:8]}"
         self._groups: list[PlacementGroup | None] = []
         self._create(placement_timeout_s)
 

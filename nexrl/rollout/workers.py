@@ -9,6 +9,7 @@ unit so that a weight sync can never split it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ ABORTS_KEY = "_nexrl_aborts"  # times this task's generation was aborted by a we
 PARTIAL_KEY = "_nexrl_partial"  # samples kept from an aborted generation (partial rollout)
 
 TASK_META_SKIP = ("prompt",)
+_PUSH_POLL_S = 0.001
 
 
 def make_trajectory(
@@ -114,11 +116,21 @@ class SimpleRolloutWorker(BaseRolloutWorker):
                 task.pop(PARTIAL_KEY, None)
                 return "aborted"
             n = len(aborted(choices))
+            self._wait_for_push()
             choices = continue_aborted(self._llm_client, choices, kwargs)
             self._activity_tracker.increment("rollout/partial_continuations", n)
         task[ABORTS_KEY] = aborts
         task.pop(PARTIAL_KEY, None)  # a re-queue after a stale drop starts afresh
         return choices
+
+    def _wait_for_push(self) -> None:
+        """Continue as soon as the new weights serve: the engine idles until then, so
+        this polls faster than the client's generic weight-sync wait."""
+        if self._weight_sync_controller is None:
+            return
+        check, tag = self._weight_sync_controller.check_rollout_service_status, self._model_tag()
+        while execute(check, tag) == "block":
+            time.sleep(_PUSH_POLL_S)
 
     def _defer_to_tail(
         self, task: dict[str, Any], aborts: int, partial: list[dict[str, Any]] | None

@@ -135,13 +135,12 @@ class TrainWorker(NexRLModule):
                 batch.values["ref_logprobs"] = ref
         metrics = self._update(batch)
         metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
-        self._step += 1
-        step = self._step
+        step = self._step + 1
         if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
-            self.save_checkpoint()
+            self.save_checkpoint(step)
         self.export_sync_weights()
         serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
-        self._log(batch, metrics, t0, serving)
+        self._log(batch, metrics, t0, serving, step)
         self._activity_tracker.set_training_step(step)
         uids = batch.metadata.get("uids") or []
         self._activity_tracker.increment("tasks_trained", len(set(uids)))  # ledger: groups
@@ -150,6 +149,7 @@ class TrainWorker(NexRLModule):
             self._module_name,
             self._model_tag,
         )
+        self._step = step  # visible to the controller only once the new weights are served
 
     def _update(self, batch: Batch) -> dict[str, float]:
         """`ppo_epochs` passes over `num_mini_batches` slices: one optimizer step per slice.
@@ -167,7 +167,9 @@ class TrainWorker(NexRLModule):
                 )
         return {k: statistics.fmean(h[k] for h in history) for k in history[0]}
 
-    def _log(self, batch: Batch, metrics: dict[str, float], t0: float, serving: int) -> None:
+    def _log(
+        self, batch: Batch, metrics: dict[str, float], t0: float, serving: int, step: int
+    ) -> None:
         now = time.perf_counter()
         elapsed = now - (self._last_step_end if self._last_step_end is not None else t0)
         self._last_step_end = now
@@ -175,13 +177,13 @@ class TrainWorker(NexRLModule):
         data = {
             **{f"train/{k}": v for k, v in metrics.items()},
             **batch.metadata.get("rollout_metrics", {}),
-            **staleness_metrics(self._step - 1, batch.metadata["min_token_versions"], serving),
+            **staleness_metrics(step - 1, batch.metadata["min_token_versions"], serving),
             "timing/step_s": elapsed,
             "timing/train_s": now - t0,
             "throughput/samples_per_s": len(batch) / elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
         }
-        self._activity_tracker.experiment_logger_post(backend="metrics", data=data, step=self._step)
+        self._activity_tracker.experiment_logger_post(backend="metrics", data=data, step=step)
 
     def compute_ref_logprobs(self, batch: Batch) -> Any:
         """(B, T) reference-model logprobs, or None without a reference model."""
@@ -192,10 +194,11 @@ class TrainWorker(NexRLModule):
         return self._client.export_weights(self._sync_weight_path)
 
     # -- checkpoints ---------------------------------------------------------------
-    def save_checkpoint(self) -> str:
-        path = self._checkpoint_path / f"global_step_{self._step}"
+    def save_checkpoint(self, step: int | None = None) -> str:
+        step = self._step if step is None else step
+        path = self._checkpoint_path / f"global_step_{step}"
         self._client.save_checkpoint(str(path))
-        state: dict[str, Any] = {"step": self._step}
+        state: dict[str, Any] = {"step": step}
         if self._dataloader is not None and hasattr(self._dataloader, "state_dict"):
             state["dataloader"] = execute(self._dataloader.state_dict)
         (path / STATE_FILE).write_text(json.dumps(state))

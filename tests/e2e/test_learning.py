@@ -10,13 +10,15 @@ from nexrl.cli import main
 
 @pytest.mark.slow
 def test_short_default_run_improves_validation_reward(tmp_path):
-    code = main([
-        "train",
-        f"output_dir={tmp_path}",
-        "train_worker.total_train_steps=60",
-        "weight.validate_freq=30",
-        "logger.backend=[jsonl]",
-    ])
+    code = main(
+        [
+            "train",
+            f"output_dir={tmp_path}",
+            "train_worker.total_train_steps=60",
+            "weight.validate_freq=30",
+            "logger.backend=[jsonl]",
+        ]
+    )
     assert code == 0
     (metrics,) = Path(tmp_path).rglob("metrics.jsonl")
     val = [json.loads(line) for line in metrics.read_text().splitlines() if "val/reward" in line]

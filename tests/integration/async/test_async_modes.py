@@ -36,18 +36,47 @@ def queued_tasks(system) -> int:
     return returned + group + batches + state["tail_candidates"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode_keeps_the_bound_and_the_ledger(async_config, mode):
     controller = NexRLController(async_config(*MODES[mode]))
     controller.run()
+    check_run(controller, mode)
+
+
+def test_aborts_and_tail_batches_keep_the_bound_and_the_ledger(async_config, monkeypatch):
+    """A slowed engine makes every push find running requests: aborts, continuations,
+    tail candidates, all inside a real run."""
+    from nexrl.inference import client as inference_client
+    from nexrl.rollout.emulation import DelayedEngine
+
+    def slowed(config):
+        return DelayedEngine(config["model"], step_delay_s=0.01, max_batch_size=32)
+
+    monkeypatch.setattr(inference_client, "create_engine", slowed)
+    extra = [
+        *MODES["fully-async-partial"],
+        "rollout_worker.max_tokens=16",
+        "weight.tail_batch_candidate_steps=1",
+        "weight.tail_batch_trigger_size=1",
+    ]
+    controller = NexRLController(async_config(*extra))
+    controller.run()
+    check_run(controller, "fully-async-partial")
+    counters = controller.activity_tracker.get_counters()
+    assert counters["rollout/aborted_groups"] > 0
+    assert counters["rollout/partial_continuations"] > 0
+
+
+def check_run(controller, mode):
     k = controller._config.weight.staleness_threshold
     lines = train_lines(controller.run_dir)
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert all(x["staleness/max"] <= k for x in lines), [x["staleness/max"] for x in lines]
     assert all("rollout/serving_version" in x and "staleness/dropped" in x for x in lines)
-    if mode == "sync":
-        assert all(x["staleness/max"] == 0 for x in lines)
+    if mode == "sync":  # on-policy, plain GRPO
+        assert all(x["staleness/max"] == 0 and "train/is_weight_mean" not in x for x in lines)
+    else:  # the off-policy correction is on by default
+        assert all("train/is_weight_mean" in x for x in lines)
     counters = controller.activity_tracker.get_counters()
     trained = counters.get("tasks_trained", 0)
     assert trained == 4 * 2

@@ -1,0 +1,38 @@
+"""Off-policy correction defaults of the async modes, and the per-batch async metrics."""
+
+import pytest
+
+from nexrl.algorithms.processor import async_metrics
+from nexrl.builders import async_loss_defaults
+
+
+def test_sync_keeps_plain_grpo():
+    algo = {"loss_fn": "ppo_clip", "loss_kwargs": {"clip_low": 0.2}}
+    assert async_loss_defaults(algo, "sync")["loss_kwargs"] == {"clip_low": 0.2}
+
+
+@pytest.mark.parametrize("mode", ["batch-async", "fully-async"])
+def test_async_modes_add_token_level_truncated_is(mode):
+    out = async_loss_defaults({"loss_kwargs": {"clip_low": 0.2}}, mode)
+    assert out["loss_kwargs"] == {"clip_low": 0.2, "tis_level": "token", "tis_cap": 2.0}
+
+
+def test_a_users_choice_of_correction_is_kept():
+    out = async_loss_defaults({"loss_kwargs": {"decoupled": True}}, "fully-async")
+    assert out["loss_kwargs"] == {"decoupled": True}
+
+
+def test_async_metrics_count_per_group_aborts_and_per_sample_continuations():
+    trajs = [
+        {"uid": "a", "rollout_aborts": 2, "continuations": 1, "token_versions": [0, 1]},
+        {"uid": "a", "rollout_aborts": 2, "continuations": 0, "token_versions": [0, 0]},
+        {"uid": "b", "rollout_aborts": 0, "continuations": 0, "token_versions": [1]},
+        {"uid": "b", "rollout_aborts": 0, "continuations": 0, "token_versions": []},
+    ]
+    m = async_metrics(trajs, {"staleness_dropped": 3})
+    assert m == {
+        "staleness/dropped": 3.0,
+        "rollout/aborts": 2.0,
+        "rollout/partial_continuations": 1.0,
+        "rollout/multi_version_frac": 0.25,
+    }

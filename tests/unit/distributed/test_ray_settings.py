@@ -1,0 +1,71 @@
+"""`ray.*` settings and layout checks (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from nexrl.distributed.execute import default_timeout, set_default_timeout
+from nexrl.distributed.ray_system import DEFAULT_COLOCATION, RaySettings, check_layout
+from nexrl.monitoring import ActivityTracker
+
+
+def cfg_with(ray: dict | None = None, backend: str = "builtin"):
+    base = {"service": {"inference_service": {"backend": backend, "engine": {}}}}
+    return OmegaConf.create({**base, **({"ray": ray} if ray is not None else {})})
+
+
+def test_defaults_and_overrides_merge_over_the_default_layout():
+    assert RaySettings.from_config(cfg_with()).colocation == DEFAULT_COLOCATION
+    s = RaySettings.from_config(
+        cfg_with(
+            {
+                "max_restarts": 2,
+                "colocation": {"validator": None},
+                "groups": {"train": {"num_gpus": 1}},
+            }
+        )
+    )
+    assert s.colocation["validator"] is None and s.colocation["data_loader"] == "data"
+    opts = s.group_options()
+    assert (opts["train"].num_gpus, opts["train"].max_restarts, opts["data"].num_gpus) == (1, 2, 0)
+
+
+def test_bad_keys_are_named():
+    with pytest.raises(ValueError, match=r"unknown ray key\(s\) \['adress'\]"):
+        RaySettings.from_config(cfg_with({"adress": "auto"}))
+    with pytest.raises(ValueError, match=r"unknown role\(s\) \['rollout'\]"):
+        RaySettings.from_config(cfg_with({"colocation": {"rollout": "x"}}))
+    with pytest.raises(ValueError, match=r"ray.groups.train: unknown key\(s\) \['gpus'\]"):
+        RaySettings.from_config(cfg_with({"groups": {"train": {"gpus": 1}}})).group_options()
+
+
+def test_an_in_process_engine_needs_rollout_and_weight_sync_together():
+    split = {**DEFAULT_COLOCATION, "weight_sync_controller": "data"}
+    with pytest.raises(ValueError, match="must name the same group"):
+        check_layout(cfg_with(), split)
+    check_layout(cfg_with(backend="remote"), split)  # a server: any layout
+    with_replicas = cfg_with()
+    with_replicas.service.inference_service.engine.replica_actors = ["r0"]
+    check_layout(with_replicas, split)
+
+
+def test_execute_timeout_is_settable_and_validated():
+    old = default_timeout()
+    try:
+        set_default_timeout(7)
+        assert default_timeout() == 7.0
+        with pytest.raises(ValueError, match="execute_timeout_s must be > 0"):
+            set_default_timeout(0)
+    finally:
+        set_default_timeout(old)
+
+
+def test_forget_module_drops_only_that_modules_work():
+    tracker = ActivityTracker()
+    tracker.start("rollout_worker_0", "rollout")
+    kept = tracker.start("train_worker_0", "train step")
+    assert tracker.forget_module("rollout_worker_0") == 1
+    assert "rollout_worker_0" not in tracker.get_running_status_summary()
+    tracker.end(kept)
+    assert tracker.is_quiescent()
