@@ -20,8 +20,7 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, True)
     if cfg.run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg.run_dir = str(Path(cfg.output_dir) / cfg.experiment_name / stamp)
+        cfg.run_dir = str(new_run_dir(Path(cfg.output_dir) / cfg.experiment_name))
     run_dir = Path(cfg.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
@@ -40,6 +39,20 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
     OmegaConf.resolve(cfg)
     OmegaConf.save(cfg, run_dir / "config.yaml")
     return cfg
+
+
+def new_run_dir(parent: Path) -> Path:
+    """A fresh `<parent>/<timestamp>[-n]` folder: two runs in one second never share one."""
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        candidate = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run folder under {parent}")
 
 
 def _resolve_data(cfg: DictConfig) -> None:
@@ -72,4 +85,4 @@ def find_resume_checkpoint(cfg: DictConfig, explicit_checkpoint_path: bool) -> s
         return find_latest_checkpoint(cfg.train_worker.checkpoint_path)
     runs = Path(cfg.output_dir) / cfg.experiment_name
     found = [c for r in runs.glob("*/checkpoints") if (c := find_latest_checkpoint(r))]
-    return max(found, key=lambda p: int(Path(p).name.rsplit("_", 1)[1])) if found else None
+    return max(found, key=lambda p: Path(p).stat().st_mtime) if found else None  # newest

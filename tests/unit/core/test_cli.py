@@ -20,3 +20,10 @@ def test_malformed_dataset_row_exits_2_naming_the_row(tmp_path, capsys, tiny_mod
 def test_unknown_command_prints_usage(capsys):
     assert main(["frobnicate"]) == 2
     assert "usage: nexrl" in capsys.readouterr().err
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    from nexrl.run_setup import new_run_dir
+
+    first, second = new_run_dir(tmp_path), new_run_dir(tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
