@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from tests.ray_fixtures import ray_local  # noqa: E402,F401  (session Ray for `ray` tests)
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

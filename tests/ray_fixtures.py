@@ -11,7 +11,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_local():
-    ray = pytest.importorskip("ray")
+    import ray
+
     from nexrl.distributed.ray_system import RaySettings, actor_env
 
     started = not ray.is_initialized()
