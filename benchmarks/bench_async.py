@@ -49,6 +49,12 @@ VARIANTS: dict[str, list[str]] = {
         "weight.staleness_threshold=1",
         "weight.enable_partial_rollout=true",
     ],
+    "fully-async(2)+partial,sync_every=2": [
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=2",
+        "weight.sync_every=2",
+        "weight.enable_partial_rollout=true",
+    ],
 }
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
