@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nexrl.builders import BUILDERS, inference_config
+from nexrl.config.schema import RayConfig
 from nexrl.distributed.execute import execute, set_default_timeout
 from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager, runtime_env_for
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
@@ -52,20 +53,11 @@ IN_PROCESS_BACKENDS = ("builtin", "hf")
 
 
 @dataclass
-class RaySettings:
-    """The `ray.*` config keys (see docs/ray.md); read with defaults until the schema has them."""
+class RaySettings(RayConfig):
+    """The `ray.*` section (schema: `nexrl.config.schema.RayConfig`, docs/ray.md) with the
+    colocation layout resolved over `DEFAULT_COLOCATION`."""
 
-    address: str | None = None
-    num_cpus: int | None = None
-    num_gpus: int | None = None
-    namespace: str = "nexrl"
-    execute_timeout_s: float = 600.0
-    max_concurrency: int = 64
-    max_restarts: int = 0
     colocation: dict[str, str | None] = field(default_factory=lambda: dict(DEFAULT_COLOCATION))
-    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
-    train_ranks: dict[str, Any] = field(default_factory=dict)
-    inference_replicas: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: DictConfig) -> RaySettings:
