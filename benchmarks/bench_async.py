@@ -1,22 +1,33 @@
 """Benchmark: sync vs batch-async vs fully-async (with / without partial rollout).
 
-    python benchmarks/bench_async.py            # ~10 minutes
-    python benchmarks/bench_async.py --quick    # < 2 minutes
+    python benchmarks/bench_async.py            # ~25 minutes on 2 CPU cores
+    python benchmarks/bench_async.py --quick    # < 3 minutes, fixed short runs
 
-Two tasks: the default `shift_letters` and a long-tailed variant (word lengths
-drawn with P(len) ~ 1/len^2 from 2..12, so response lengths have a long tail).
-Each schedule trains the embedded tiny Qwen2 for a fixed number of steps (the
-0.9 validation reward takes ~225 steps of batch 128, far beyond a 10-minute
-budget on 2 shared cores, so every variant runs the same fixed steps and we
-report its final `val/reward`), first on the plain CPU engine, then on
-`DelayedEngine` (a sleep per engine step, nexrl/rollout/emulation.py) so that
-generation behaves like a separate accelerator running beside the trainer.
+Two tasks, each variant in the same process one after the other:
 
-Reported per run: trained samples/s over the steady state (steps 2..N, from
-`timing/step_s` in metrics.jsonl, so start-up is excluded), wall-clock of the
-run, final val/reward, max staleness, aborts / drops / continuations. The last
-line is `fully_async_vs_sync_emulated: X` = samples/s of fully-async (partial
-rollout) / sync on the default task with the emulated engine.
+- `default`: the default recipe of `nexrl train` (500 steps of 16 prompts x 16
+  samples, validation every 25 steps). Reported: trained samples/s over the
+  steady state, train-seconds and steps until `val/reward` first reaches 0.9
+  (train-seconds = sum of `timing/step_s`, so validation pauses and start-up
+  are excluded), and the final `val/reward`.
+- `long_tail`: shift-letters with word lengths drawn with P(len) ~ 1/len^2 from
+  2..12, so a few responses are 3-6x longer than most. It learns far slower
+  than the default task (val 0.19 after 250 steps), so it runs a fixed number
+  of steps and reports samples/s, aborts and continuations.
+
+Every schedule runs twice: on the CPU engine (generation and training share
+the 2 cores), then on the built-in engine with `emulated_step_latency_s`, a
+sleep per engine step, so that generation behaves like an accelerator beside
+the trainer (docs/async.md, "Emulated accelerator"). The latency is calibrated
+so that generating a batch takes about as long as training it: it is the CPU
+sync run's median train time divided by the engine steps of one batch
+(prefill + max_tokens decode steps). A short sweep at half and double that
+latency shows how the gain depends on the balance.
+
+Both runs use 16 rollout workers and an engine batch of 256 rows, so one batch
+of groups generates as one wave (a GPU engine is given the whole batch too).
+The last line is `fully_async_vs_sync_emulated: X`: samples/s of fully-async
+(staleness 1) over sync, default task, emulated engine.
 """
 
 from __future__ import annotations
@@ -36,9 +47,8 @@ import torch
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
 from nexrl.data import shift_word
-from nexrl.inference import client as inference_client
+from nexrl.inference.client import shutdown_local_engines
 from nexrl.models.tiny import build_tiny_qwen2
-from nexrl.rollout.emulation import DelayedEngine
 
 VARIANTS: dict[str, list[str]] = {
     "sync": ["weight.sync_mode=sync"],
@@ -49,17 +59,14 @@ VARIANTS: dict[str, list[str]] = {
         "weight.staleness_threshold=1",
         "weight.enable_partial_rollout=true",
     ],
-    "fully-async(2)+partial,sync_every=2": [
-        "weight.sync_mode=fully-async",
-        "weight.staleness_threshold=2",
-        "weight.sync_every=2",
-        "weight.enable_partial_rollout=true",
-    ],
 }
+HEADLINE = "fully-async(1)"
+SYSTEM = ["rollout_worker.num_workers=16", "+service.inference_service.engine.max_batch_size=256"]
+TARGET = 0.9
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def write_long_tail_task(directory: Path, n_train: int = 2048, n_val: int = 32) -> list[str]:
+def write_long_tail_task(directory: Path, n_train: int = 2048, n_val: int = 64) -> list[str]:
     """Shift-letters rows with word lengths ~ 1/len^2 on 2..12 (a long tail of long answers)."""
     rng = random.Random(0)
     lengths = list(range(2, 13))
@@ -80,33 +87,16 @@ def write_long_tail_task(directory: Path, n_train: int = 2048, n_val: int = 32) 
     ]
 
 
-def base_overrides(out: Path, model: Path, steps: int) -> list[str]:
-    return [
-        f"output_dir={out}",
-        f"model_path={model}",
-        "rollout_worker.num_workers=8",
-        "rollout_worker.group_size=4",
-        "trajectory_pool.batch_size=32",
-        f"train_worker.total_train_steps={steps}",
-        "train_worker.save_freq=0",
-        "weight.validate_freq=0",
-        "validate.validate_before_train=false",
-        "validate.data.max_items=32",
-        "logger.backend=[jsonl]",
-    ]
-
-
-def install_engine(model: Path, delay_s: float) -> None:
-    """Make the next run's in-process engine a `DelayedEngine` (or a fresh plain one).
-
-    Builders create engines through the process-wide registry of
-    `nexrl.inference.client`; pre-registering the "default" tag is the one way to
-    hand the run a different engine class without a config key for it.
-    """
-    inference_client.shutdown_local_engines()
-    if delay_s > 0:
-        engine = DelayedEngine(model, step_delay_s=delay_s, max_batch_size=64)
-        inference_client._local_engines["default"] = engine
+def task_overrides(task: str, tmp: Path, steps: int | None) -> list[str]:
+    """The default recipe as is (steps=None), or a fixed short run without validation."""
+    over = [] if task == "default" else write_long_tail_task(tmp)
+    if steps is not None:
+        over += [
+            f"train_worker.total_train_steps={steps}",
+            "weight.validate_freq=0",
+            "validate.validate_before_train=false",
+        ]
+    return over
 
 
 def run_once(overrides: list[str]) -> dict[str, Any]:
@@ -118,12 +108,14 @@ def run_once(overrides: list[str]) -> dict[str, Any]:
         json.loads(x) for x in (Path(controller.run_dir) / "metrics.jsonl").read_text().splitlines()
     ]
     train = [x for x in lines if "train/loss" in x]
-    steady = sum(x["timing/step_s"] for x in train[1:])
-    samples = 32 * (len(train) - 1)
+    steady = train[1:]  # the first step includes start-up
+    samples = sum(x["train/num_seqs"] for x in steady)
     counters = controller.activity_tracker.get_counters()
     return {
-        "samples_per_s": samples / steady if steady > 0 else float("nan"),
+        "samples_per_s": samples / sum(x["timing/step_s"] for x in steady),
+        "train_s": statistics.median(x["timing/train_s"] for x in steady),
         "wall_s": wall,
+        **time_to_target(lines),
         "val_reward": final.get("val/reward", float("nan")),
         "staleness_max": max(x["staleness/max"] for x in train),
         "staleness_mean": statistics.fmean(x["staleness/mean"] for x in train),
@@ -133,102 +125,148 @@ def run_once(overrides: list[str]) -> dict[str, Any]:
     }
 
 
+def time_to_target(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Steps and train-seconds until the first validation at or above TARGET (None: never)."""
+    elapsed = 0.0
+    for x in lines:
+        elapsed += x.get("timing/step_s", 0.0)
+        if x.get("val/reward", 0.0) >= TARGET and x["step"] > 0:
+            return {"steps_to_target": x["step"], "train_s_to_target": elapsed}
+    return {"steps_to_target": None, "train_s_to_target": None}
+
+
+def run_variants(base: list[str], latency: float, names: list[str]) -> dict[str, dict[str, Any]]:
+    results = {}
+    for name in names:
+        shutdown_local_engines()  # a fresh engine per run (the latency is an engine option)
+        over = [*base, f"+service.inference_service.engine.emulated_step_latency_s={latency}"]
+        results[name] = run_once([*over, *VARIANTS[name]])
+        print(_row("", "", name, results[name]), flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (< 2 minutes)")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--delay", type=float, default=0.015, help="emulated s per engine step")
+    parser.add_argument("--quick", action="store_true", help="fixed short runs (< 3 minutes)")
+    parser.add_argument("--latency", type=float, default=None, help="emulated s per engine step")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--repeats", type=int, default=None, help="best-of-N (default 2, quick 1)")
     args = parser.parse_args(argv)
-    steps = args.steps or (5 if args.quick else 30)
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_async_"))
     model = build_tiny_qwen2(tmp / "model")
-    tasks = {"default": [], "long_tail": write_long_tail_task(tmp)}
-    runs: list[dict[str, Any]] = []
-    for rep in range(args.repeats):  # interleaved: load from other users hits every variant
-        for engine_kind, delay in (("cpu", 0.0), ("emulated", args.delay)):
-            for task, task_over in tasks.items():
-                for name, over in VARIANTS.items():
-                    install_engine(model, delay)
-                    res = run_once([*base_overrides(tmp / "out", model, steps), *task_over, *over])
-                    res.update(engine=engine_kind, task=task, variant=name, rep=rep)
-                    runs.append(res)
-                    print(_row(res), flush=True)
-    inference_client.shutdown_local_engines()
-    results = _best(runs)
-    ratios = _ratios(results)
+    steps = {"default": 30 if args.quick else None, "long_tail": 10 if args.quick else 60}
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
+    latency = args.latency
+    for engine in ("cpu", "emulated"):
+        for task in ("default", "long_tail"):
+            base = [*common(tmp, model), *SYSTEM, *task_overrides(task, tmp, steps[task])]
+            if engine == "emulated" and latency is None:
+                latency = calibrate(tables["cpu/default"]["sync"], max_tokens=4)
+                print(f"emulated latency: {latency * 1000:.1f} ms per engine step", flush=True)
+            print(f"## {engine} / {task}", flush=True)
+            step_latency = 0.0 if engine == "cpu" else latency
+            tables[f"{engine}/{task}"] = run_variants(base, step_latency, [*VARIANTS])
+    sweep = run_sweep(tmp, model, latency)
+    shutdown_local_engines()
+    ratios = compute_ratios(tables)
+    _write(args.out, tables, ratios, sweep, latency, args.quick)
     for key, value in ratios.items():
-        if key != "fully_async_vs_sync_emulated":
-            print(f"{key}: {value:.2f}")
-    _write(args.out, results, ratios, steps, args.delay, args.quick)
-    print(f"fully_async_vs_sync_emulated: {ratios['fully_async_vs_sync_emulated']:.2f}")
+        print(f"{key}: {value:.2f}")
+    print(f"fully_async_vs_sync_emulated: {ratios['emulated/default/' + HEADLINE]:.2f}")
     return 0
 
 
-def _best(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (engine, task, variant): the repeat with the highest samples/s (best-of-N:
-    the least disturbed by other processes on a shared machine)."""
-    best: dict[tuple, dict[str, Any]] = {}
-    for r in runs:
-        key = (r["engine"], r["task"], r["variant"])
-        if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
-            best[key] = r
-    return list(best.values())
+def common(tmp: Path, model: Path) -> list[str]:
+    return [
+        f"output_dir={tmp / 'out'}",
+        f"model_path={model}",
+        "train_worker.save_freq=0",
+        "logger.backend=[jsonl]",
+    ]
 
 
-def _pick(results: list[dict[str, Any]], engine: str, task: str, variant: str) -> dict[str, Any]:
-    return next(
-        r for r in results if (r["engine"], r["task"], r["variant"]) == (engine, task, variant)
-    )
+def calibrate(sync_cpu: dict[str, Any], max_tokens: int) -> float:
+    """Latency per engine step that makes one batch generate in about one train step."""
+    return sync_cpu["train_s"] / (1 + max_tokens)
 
 
-def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
+def run_sweep(tmp: Path, model: Path, latency: float) -> list[dict[str, Any]]:
+    """sync vs the headline variant at half and double the calibrated latency (30 steps)."""
+    base = [*common(tmp, model), *SYSTEM, *task_overrides("default", tmp, 30)]
+    rows = []
+    for scale in (0.5, 2.0):
+        res = run_variants(base, latency * scale, ["sync", HEADLINE])
+        ratio = res[HEADLINE]["samples_per_s"] / res["sync"]["samples_per_s"]
+        rows.append({"scale": scale, "latency_s": latency * scale, "ratio": ratio})
+    return rows
+
+
+def compute_ratios(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
     out = {}
-    for engine in ("cpu", "emulated"):
-        for task in ("default", "long_tail"):
-            sync = _pick(results, engine, task, "sync")["samples_per_s"]
-            for variant in list(VARIANTS)[1:]:
-                fast = _pick(results, engine, task, variant)["samples_per_s"]
-                out[f"{engine}/{task}/{variant}_vs_sync"] = fast / sync
-    out["fully_async_vs_sync_emulated"] = out["emulated/default/fully-async(1)+partial_vs_sync"]
+    for key, results in tables.items():
+        sync = results["sync"]["samples_per_s"]
+        for name in list(VARIANTS)[1:]:
+            out[f"{key}/{name}"] = results[name]["samples_per_s"] / sync
     return out
 
 
-def _row(r: dict[str, Any]) -> str:
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _row(engine: str, task: str, name: str, r: dict[str, Any]) -> str:
     return (
-        f"| {r['engine']} | {r['task']} | {r['variant']} | {r['samples_per_s']:.1f} | "
-        f"{r['wall_s']:.1f} | {r['val_reward']:.3f} | {r['staleness_max']} | "
+        f"| {engine} | {task} | {name} | {r['samples_per_s']:.0f} | "
+        f"{_fmt(r['steps_to_target'], 'd')} | {_fmt(r['train_s_to_target'], '.0f')} | "
+        f"{r['wall_s']:.0f} | {r['val_reward']:.3f} | {r['staleness_max']} | "
         f"{r['staleness_mean']:.2f} | {r['aborts']} | {r['continuations']} | {r['stale_drops']} |"
     )
 
 
-def _write(out: Path, results: list, ratios: dict, steps: int, delay: float, quick: bool) -> None:
+def _write(out: Path, tables, ratios, sweep, latency: float, quick: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = "async_quick" if quick else "async"
-    (out / f"{name}.json").write_text(json.dumps({"results": results, "ratios": ratios}, indent=1))
+    payload = {"tables": tables, "ratios": ratios, "sweep": sweep, "latency_s": latency}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
     header = (
-        "| engine | task | variant | samples/s | wall s | val/reward | stale max | stale mean "
-        "| aborts | continuations | stale drops |\n|" + "---|" * 11
+        "| engine | task | variant | samples/s | steps to 0.9 | train-s to 0.9 | wall s "
+        "| final val | stale max | stale mean | aborts | continuations | stale drops |\n|"
+        + "---|"
+        * 13
     )
+    rows = [
+        _row(*key.split("/"), variant, r)
+        for key, results in tables.items()
+        for variant, r in results.items()
+    ]
     lines = [
         f"# bench_async ({'--quick' if quick else 'full'})",
         "",
-        f"`python benchmarks/bench_async.py{' --quick' if quick else ''}`: {steps} steps of "
-        f"32 samples (8 prompts x 4) per run; emulated engine sleeps {delay * 1000:.0f} ms per "
-        "step. samples/s over steps 2..N, best of the interleaved repeats; val/reward after "
-        "the last step (fixed steps, not time-to-0.9: see the script's docstring).",
+        f"`python benchmarks/bench_async.py{' --quick' if quick else ''}` "
+        f"(load average at the end: {_load()}). Emulated latency: {latency * 1000:.1f} ms "
+        "per engine step (calibrated: one batch generates in about one train step).",
         "",
         header,
-        *(_row(r) for r in results),
+        *rows,
+        "",
+        "samples/s relative to sync:",
         "",
         *(f"- {k}: {v:.2f}" for k, v in ratios.items()),
         "",
+        "Latency sweep (default task, 30 steps, sync vs " + HEADLINE + "):",
+        "",
+        *(f"- {s['scale']}x ({s['latency_s'] * 1000:.1f} ms): {s['ratio']:.2f}" for s in sweep),
+        "",
     ]
     (out / f"{name}.md").write_text("\n".join(lines))
+
+
+def _load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 if __name__ == "__main__":

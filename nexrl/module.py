@@ -96,3 +96,18 @@ class LoopThread:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+
+class LoopModule(NexRLModule):
+    """A module whose work is one `LoopThread` in `self._loop` (processor, train worker)."""
+
+    _loop: LoopThread
+
+    def run(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def health_check(self) -> bool:
+        return self._loop.error is None

@@ -19,7 +19,7 @@ from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from nexrl.algorithms.dapo import mask_truncated, overlong_penalty
 from nexrl.algorithms.kl import apply_kl_penalty
 from nexrl.distributed import execute
-from nexrl.module import LoopThread, NexRLModule
+from nexrl.module import LoopModule, LoopThread
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def async_metrics(trajectories: list[Trajectory], metadata: dict[str, Any]) -> d
     }
 
 
-class BaseAlgorithmProcessor(NexRLModule):
+class BaseAlgorithmProcessor(LoopModule):
     """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
@@ -105,15 +105,6 @@ class BaseAlgorithmProcessor(NexRLModule):
         self._trajectory_pool = trajectory_pool
         self._train_batch_pool = train_batch_pool
         self._train_worker = train_worker  # reference logprobs for a KL reward penalty
-
-    def run(self) -> None:
-        self._loop.start()
-
-    def stop(self) -> None:
-        self._loop.stop()
-
-    def health_check(self) -> bool:
-        return self._loop.error is None
 
     def _loop_once(self) -> bool:
         batch = self._get_batch(self._batch_size)

@@ -31,6 +31,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
     rid: str | None = None
     ignore_eos: bool = False
 
@@ -50,7 +51,9 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] = Field(..., description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, token ids, or a list of either (several prompts)"
+    )
     logprobs: int | None = None
     echo: bool = False
 
@@ -94,13 +97,7 @@ def completion_body(
     for i, out in enumerate(resp.outputs):
         lp = None
         if logprobs is not None:
-            toks = tokenizer.convert_ids_to_tokens(out.output_ids)
-            lp = {
-                "tokens": toks,
-                "token_logprobs": out.output_logprobs,
-                "top_logprobs": [{t: v} for t, v in zip(toks, out.output_logprobs, strict=True)],
-                "text_offset": [],
-            }
+            lp = _completion_logprobs(tokenizer, out.output_ids, out.output_logprobs)
         choices.append(
             {
                 "index": i,
@@ -129,15 +126,7 @@ def chat_body(
 ) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(resp.outputs):
-        lp = None
-        if logprobs:
-            toks = tokenizer.convert_ids_to_tokens(out.output_ids)
-            lp = {
-                "content": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, v in zip(toks, out.output_logprobs, strict=True)
-                ]
-            }
+        lp = _chat_logprobs(tokenizer, out.output_ids, out.output_logprobs) if logprobs else None
         choices.append(
             {
                 "index": i,
@@ -158,3 +147,58 @@ def chat_body(
         "weight_version": version,
         "usage": _usage(len(resp.input_ids), resp),
     }
+
+
+def _completion_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, Any]:
+    toks = tokenizer.convert_ids_to_tokens(ids)
+    return {
+        "tokens": toks,
+        "token_logprobs": lps,
+        "top_logprobs": [{t: v} for t, v in zip(toks, lps, strict=True)],
+        "text_offset": [],
+    }
+
+
+def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, Any]:
+    toks = tokenizer.convert_ids_to_tokens(ids)
+    return {
+        "content": [
+            {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, v in zip(toks, lps, strict=True)
+        ]
+    }
+
+
+# -- streaming chunks (nexrl/inference/streaming.py) -------------------------------------------
+def completion_chunk_fn(header: dict[str, Any], tokenizer, logprobs: int | None):
+    """Builds one `text_completion` chunk per (sample, new tokens)."""
+
+    def make(index: int, text: str, ids: list[int], lps: list[float], finish: str | None):
+        lp = _completion_logprobs(tokenizer, ids, lps) if logprobs is not None and ids else None
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        return {**header, "choices": [{**choice, "token_ids": ids}]}
+
+    return make
+
+
+def chat_chunk_fn(header: dict[str, Any], tokenizer, logprobs: bool):
+    """Builds one `chat.completion.chunk` per (sample, new tokens); the first has the role."""
+    started: set[int] = set()
+
+    def make(index: int, text: str, ids: list[int], lps: list[float], finish: str | None):
+        delta: dict[str, Any] = {"content": text}
+        if index not in started:
+            started.add(index)
+            delta["role"] = "assistant"
+        lp = _chat_logprobs(tokenizer, ids, lps) if logprobs and ids else None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {**header, "choices": [{**choice, "token_ids": ids}]}
+
+    return make
+
+
+def usage_chunk_fn(header: dict[str, Any]):
+    def make(resp: GenerationResponse) -> dict[str, Any]:
+        return {**header, "choices": [], "usage": _usage(len(resp.input_ids), resp)}
+
+    return make

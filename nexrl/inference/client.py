@@ -33,7 +33,14 @@ from nexrl.inference.protocol import (
 
 LOCAL_BACKENDS = ("builtin", "hf")
 REMOTE_BACKENDS = ("remote", "vllm", "sglang")
-_ENGINE_OPTIONS = ("max_batch_size", "max_model_len", "dtype", "device", "seed")
+_ENGINE_OPTIONS = (
+    "max_batch_size",
+    "max_model_len",
+    "dtype",
+    "device",
+    "seed",
+    "emulated_step_latency_s",
+)
 _BLOCK_POLL_S = 0.02
 
 _local_engines: dict[str, InferenceEngine] = {}

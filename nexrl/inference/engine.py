@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
     InferenceEngine,
+    TokenCallback,
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import (
@@ -71,6 +73,7 @@ class Engine:
         device: str = "cpu",
         seed: int = 0,
         model_and_tokenizer: tuple[Any, Any] | None = None,
+        emulated_step_latency_s: float = 0.0,
     ) -> None:
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
@@ -82,6 +85,7 @@ class Engine:
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.emulated_step_latency_s = float(emulated_step_latency_s)
         self.runner = ModelRunner(model, max_batch_size, self.max_model_len)
         self.batch = RunningBatch(max_batch_size, self.max_model_len, device)
         eos = model.generation_config.eos_token_id
@@ -103,8 +107,14 @@ class Engine:
     def version(self) -> int:
         return self._version
 
-    def submit(self, request: GenerationRequest) -> Future:
-        """Queue `request`; the future resolves to its `GenerationResponse`."""
+    supports_streaming = True
+
+    def submit(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> Future:
+        """Queue `request`; the future resolves to its `GenerationResponse`.
+
+        With `on_token`, every sampled token is also handed to it as soon as it exists
+        (streaming); the future still resolves with the whole response at the end.
+        """
         params = request.sampling
         validate_params(params)
         if not request.input_ids:
@@ -125,6 +135,7 @@ class Engine:
             StopChecker(self.tokenizer, params.stop),
             [None] * params.n,
             params.n,
+            on_token=on_token,
         )
         with self._cv:
             if self._stopping:
@@ -217,6 +228,8 @@ class Engine:
             self.batch.compact(list(range(len(self.batch))))
 
     def _step(self) -> None:
+        if self.emulated_step_latency_s > 0:  # see "Emulated accelerator" in docs/async.md
+            time.sleep(self.emulated_step_latency_s)
         self._admit()
         self._finish()  # a first token may already end a sample
         b = len(self.batch)
@@ -235,6 +248,18 @@ class Engine:
         )
         bt.record(rows, tokens, lps, self._version)
         self.stats["generated_tokens"] += int(rows.numel())
+        if bt.n_streaming:
+            self._stream(rows, tokens, lps)
+
+    def _stream(self, rows: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor) -> None:
+        for j, tok, lp in zip(rows.tolist(), tokens.tolist(), lps.tolist(), strict=True):
+            pending, index = self.batch.rows[j].pending, self.batch.rows[j].index
+            if pending.on_token is None:
+                continue
+            try:
+                pending.on_token(index, tok, lp, self._version)
+            except Exception:  # a broken listener must not stop the batch
+                logger.exception("streaming callback of request %s failed", pending.request.rid)
 
     def _admit(self) -> None:
         """Prefill waiting requests that fit (slots and prefill token budget)."""
@@ -339,6 +364,11 @@ def build_engine(model_path: str | Path | None = None, **options: Any) -> Infere
         return Engine(model_path, model_and_tokenizer=(model, tok), device=device, **options)
     from nexrl.inference.hf_engine import HFEngine
 
+    if options.get("emulated_step_latency_s"):
+        raise ValueError(
+            f"emulated_step_latency_s needs the built-in engine; {type(model).__name__} "
+            "is served by HFEngine"
+        )
     logger.info("%s: no lean forward, using HFEngine", type(model).__name__)
     return HFEngine(
         model_path, dtype=dtype, device=device, max_model_len=options.get("max_model_len")

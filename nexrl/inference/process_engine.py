@@ -11,6 +11,8 @@ of request data):
     parent -> child  {"id", "op": "generate" | "update_weights" | "pause" | "resume" |
                       "abort" | "stats" | "shutdown", ...}
     child -> parent  {"id", "result": ...} or {"id", "error": {"type", "message"}}
+                     or, before the result of a streaming "generate",
+                     {"id", "token": [sample_index, token_id, logprob, version]} per token
 
 A reader thread in the parent resolves one `Future` per message id.
 """
@@ -33,6 +35,7 @@ from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
     SamplingParams,
+    TokenCallback,
     WeightUpdateMeta,
 )
 
@@ -41,6 +44,8 @@ _ERRORS = {"ValueError": ValueError, "KeyError": KeyError, "FileNotFoundError": 
 
 class ProcessEngine:
     """`InferenceEngine` whose `Engine` runs in a spawned child process."""
+
+    supports_streaming = True
 
     def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
         from transformers import AutoTokenizer
@@ -65,6 +70,7 @@ class ProcessEngine:
         self._version = 0
         self._ids = itertools.count()
         self._futures: dict[int, Future] = {}
+        self._streams: dict[int, TokenCallback] = {}
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="nexrl-engine-ipc", daemon=True)
         self._reader.start()
@@ -77,10 +83,12 @@ class ProcessEngine:
     def stats(self) -> dict[str, int]:
         return self._call("stats")
 
-    def _send(self, op: str, **body: Any) -> Future:
+    def _send(self, op: str, on_token: TokenCallback | None = None, **body: Any) -> Future:
         future: Future = Future()
         msg_id = next(self._ids)
         self._futures[msg_id] = future
+        if on_token is not None:
+            self._streams[msg_id] = on_token
         with self._send_lock:
             self._conn.send_bytes(json.dumps({"id": msg_id, "op": op, **body}).encode())
         return future
@@ -94,6 +102,10 @@ class ProcessEngine:
                 msg = json.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
+            if "token" in msg:
+                self._streams[msg["id"]](*msg["token"])
+                continue
+            self._streams.pop(msg["id"], None)
             future = self._futures.pop(msg["id"])
             if "error" in msg:
                 err = msg["error"]
@@ -103,8 +115,11 @@ class ProcessEngine:
         for future in self._futures.values():
             future.set_exception(RuntimeError("engine process exited"))
 
-    def submit(self, request: GenerationRequest) -> Future:
-        raw = self._send("generate", request=_request_dict(request))
+    def submit(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> Future:
+        """As `Engine.submit`; `on_token` runs on this process's pipe-reader thread."""
+        raw = self._send(
+            "generate", on_token, request=_request_dict(request), stream=on_token is not None
+        )
         out: Future = Future()
 
         def convert(f: Future) -> None:
@@ -185,14 +200,15 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
     )
     lock = threading.Lock()
 
-    def reply(msg_id: int, result: Any = None, exc: BaseException | None = None) -> None:
-        body: dict[str, Any] = {"id": msg_id}
-        if exc is not None:
-            body["error"] = {"type": type(exc).__name__, "message": str(exc)}
-        else:
-            body["result"] = result
+    def send(body: dict[str, Any]) -> None:
         with lock:
             conn.send_bytes(json.dumps(body).encode())
+
+    def reply(msg_id: int, result: Any = None, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            send({"id": msg_id, "error": {"type": type(exc).__name__, "message": str(exc)}})
+        else:
+            send({"id": msg_id, "result": result})
 
     while True:
         try:
@@ -204,16 +220,22 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
             engine.shutdown()
             reply(msg["id"])
             return
-        _handle(engine, msg, reply)
+        _handle(engine, msg, reply, send)
 
 
-def _handle(engine, msg: dict[str, Any], reply) -> None:
+def _handle(engine, msg: dict[str, Any], reply, send) -> None:
     op, msg_id = msg["op"], msg["id"]
     try:
         if op == "generate":
             req = msg["request"]
             req["sampling"] = SamplingParams(**req["sampling"])
-            future = engine.submit(GenerationRequest(**req))
+            on_token = None
+            if msg.get("stream"):
+
+                def on_token(*token: Any) -> None:
+                    send({"id": msg_id, "token": list(token)})
+
+            future = engine.submit(GenerationRequest(**req), on_token=on_token)
             future.add_done_callback(lambda f: _reply_future(f, msg_id, reply))
             return
         if op == "update_weights":

@@ -11,8 +11,13 @@ HTTP (nexrl's server, vLLM, SGLang). Both satisfy `InferenceEngine`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+TokenCallback = Callable[[int, int, float, int], None]
+"""Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
+called from the engine's scheduler thread (keep it cheap; hand the token to another thread)."""
 
 
 @dataclass

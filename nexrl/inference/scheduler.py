@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nexrl.inference.protocol import GenerationOutput, GenerationRequest
+from nexrl.inference.protocol import GenerationOutput, GenerationRequest, TokenCallback
 from nexrl.inference.sampler import StopChecker, make_output
 
 
@@ -34,6 +34,7 @@ class Pending:
     outputs: list[GenerationOutput | None] = field(default_factory=list)
     left: int = 0
     aborted: bool = False
+    on_token: TokenCallback | None = None  # streaming requests only
 
     def finish_sample(self, index: int, output: GenerationOutput) -> None:
         self.outputs[index] = output
@@ -56,6 +57,7 @@ class RunningBatch:
         self.rows: list[Row] = []
         self._n_stop_strings = 0  # rows whose request has stop strings
         self._n_seeded = 0  # rows with a private generator
+        self.n_streaming = 0  # rows whose request streams its tokens
         self.cur_tok = torch.zeros(s, dtype=torch.long, device=d)
         self.pos = torch.zeros(s, dtype=torch.long, device=d)  # position of cur_tok
         self.n_gen = torch.zeros(s, dtype=torch.long, device=d)
@@ -112,6 +114,7 @@ class RunningBatch:
         self.rows.extend(rows)
         self._n_stop_strings += sum(bool(r.pending.checker.stop) for r in rows)
         self._n_seeded += sum(r.generator is not None for r in rows)
+        self.n_streaming += sum(r.pending.on_token is not None for r in rows)
         return idx
 
     def generators(self, rows: torch.Tensor | None = None) -> dict[int, torch.Generator]:
@@ -183,6 +186,7 @@ class RunningBatch:
         gone = set(finished)
         self._n_stop_strings -= sum(bool(self.rows[j].pending.checker.stop) for j in gone)
         self._n_seeded -= sum(self.rows[j].generator is not None for j in gone)
+        self.n_streaming -= sum(self.rows[j].pending.on_token is not None for j in gone)
         holes = [j for j in sorted(gone) if j < keep_n]
         movers = [j for j in range(keep_n, b) if j not in gone]
         src = torch.tensor(movers, dtype=torch.long)

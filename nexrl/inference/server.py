@@ -15,11 +15,13 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -28,13 +30,17 @@ from prometheus_client import (
     generate_latest,
 )
 
+from nexrl.inference import streaming
 from nexrl.inference.api_models import (
     AbortRequest,
     ChatRequest,
     CompletionRequest,
     UpdateWeightsRequest,
     chat_body,
+    chat_chunk_fn,
     completion_body,
+    completion_chunk_fn,
+    usage_chunk_fn,
 )
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine, WeightUpdateMeta
 
@@ -120,8 +126,6 @@ def create_app(
 
     async def run(ids: list[int], body, default_max: int, endpoint: str):
         params = body.sampling(default_max)
-        if body.stream:
-            raise APIError(400, "stream=true is not supported; set stream=false")
         version = engine.version
         try:
             resp = await engine.agenerate(GenerationRequest(ids, params, rid=body.rid))
@@ -131,16 +135,49 @@ def create_app(
         metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
         return resp, version
 
+    async def stream(ids: list[int], body, default_max: int, endpoint: str, chunks):
+        """`stream=true`: server-sent events (nexrl/inference/streaming.py)."""
+        if not getattr(engine, "supports_streaming", False):
+            raise APIError(400, f"stream=true: {type(engine).__name__} cannot stream tokens")
+        rid = body.rid or uuid.uuid4().hex
+        request = GenerationRequest(ids, body.sampling(default_max), rid=rid)
+        kind = "completion" if endpoint == "completions" else "chat"
+        header = streaming.chunk_header(kind, rid, model_name, engine.version)
+        try:
+            started = await streaming.start(engine, request)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        metrics.requests.labels(endpoint).inc()
+        usage = usage_chunk_fn(header) if (body.stream_options or {}).get("include_usage") else None
+
+        def count(resp) -> None:
+            metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
+
+        events = streaming.sse(engine, request, started, tokenizer, chunks(header), usage, count)
+        return StreamingResponse(events, media_type="text/event-stream")
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> JSONResponse:
+    async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
-        ids = _prompt_ids(body.prompt, tokenizer)
-        default_max = 16 if max_len is None else min(16, max(max_len - len(ids), 0))
-        resp, version = await run(ids, body, default_max, "completions")
-        return JSONResponse(completion_body(resp, model_name, version, tokenizer, body.logprobs))
+        prompts = _prompt_batch(body.prompt, tokenizer)
+
+        def default_max(ids: list[int]) -> int:
+            return 16 if max_len is None else min(16, max(max_len - len(ids), 0))
+
+        if body.stream:
+            if len(prompts) != 1:
+                raise APIError(400, "prompt: stream=true takes one prompt per request")
+            chunks = partial(completion_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
+            return await stream(prompts[0], body, default_max(prompts[0]), "completions", chunks)
+        runs = [run(ids, body, default_max(ids), "completions") for ids in prompts]
+        bodies = [
+            completion_body(resp, model_name, version, tokenizer, body.logprobs)
+            for resp, version in await asyncio.gather(*runs)
+        ]
+        return JSONResponse(bodies[0] if len(bodies) == 1 else _merge_completions(bodies, body.n))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> JSONResponse:
+    async def chat(body: ChatRequest) -> Response:
         check_model(body.model)
         ids = list(
             tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True)
@@ -148,6 +185,9 @@ def create_app(
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         default_max = max((max_len or len(ids) + 16) - len(ids), 0)
+        if body.stream:
+            chunks = partial(chat_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
+            return await stream(ids, body, default_max, "chat", chunks)
         resp, version = await run(ids, body, default_max, "chat")
         return JSONResponse(chat_body(resp, model_name, version, tokenizer, body.logprobs))
 
@@ -200,18 +240,41 @@ def _control_routes(app: FastAPI, engine: InferenceEngine) -> None:
         return {"success": True}
 
 
-def _prompt_ids(prompt: str | list[int] | list[str], tokenizer) -> list[int]:
+def _prompt_batch(prompt: Any, tokenizer) -> list[list[int]]:
+    """OpenAI's `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError(400, "prompt: batches of several prompts are not supported; send one")
-        return list(tokenizer(prompt[0], add_special_tokens=True)["input_ids"])
+        return [_encode(prompt, tokenizer)]
+    if not prompt:
+        raise APIError(400, "prompt: empty; give text or token ids")
+    if all(isinstance(p, str) for p in prompt):
+        return [_encode(p, tokenizer) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [_checked_ids(p, tokenizer) for p in prompt]
+    return [_checked_ids(prompt, tokenizer)]
+
+
+def _encode(text: str, tokenizer) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _checked_ids(ids: list[int], tokenizer) -> list[int]:
     vocab = len(tokenizer)
-    bad = [t for t in prompt if not 0 <= int(t) < vocab]
+    bad = [t for t in ids if not 0 <= int(t) < vocab]
     if bad:
         raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    return [int(t) for t in prompt]
+    return [int(t) for t in ids]
+
+
+def _merge_completions(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One response for several prompts: choice index = prompt index * n + sample index."""
+    merged = dict(bodies[0])
+    merged["choices"] = [
+        {**c, "index": k * n + c["index"]} for k, b in enumerate(bodies) for c in b["choices"]
+    ]
+    merged["prompt_token_ids"] = [b["prompt_token_ids"] for b in bodies]
+    merged["weight_version"] = min(b["weight_version"] for b in bodies)
+    merged["usage"] = {key: sum(b["usage"][key] for b in bodies) for key in bodies[0]["usage"]}
+    return merged
 
 
 def _install_errors(app: FastAPI) -> None:

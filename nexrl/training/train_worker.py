@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nexrl.distributed import execute
-from nexrl.module import LoopThread, NexRLModule
+from nexrl.module import LoopModule, LoopThread
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def mini_batches(n: int, parts: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-class TrainWorker(NexRLModule):
+class TrainWorker(LoopModule):
     def __init__(
         self,
         config: Mapping[str, Any],
@@ -97,15 +97,6 @@ class TrainWorker(NexRLModule):
 
     def initialize_workers(self) -> None:
         self._client.initialize()
-
-    def run(self) -> None:
-        self._loop.start()
-
-    def stop(self) -> None:
-        self._loop.stop()
-
-    def health_check(self) -> bool:
-        return self._loop.error is None
 
     def get_train_step(self) -> int:
         return self._step

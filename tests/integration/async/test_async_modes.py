@@ -43,18 +43,13 @@ def test_mode_keeps_the_bound_and_the_ledger(async_config, mode):
     check_run(controller, mode)
 
 
-def test_aborts_and_tail_batches_keep_the_bound_and_the_ledger(async_config, monkeypatch):
-    """A slowed engine makes every push find running requests: aborts, continuations,
-    tail candidates, all inside a real run."""
-    from nexrl.inference import client as inference_client
-    from nexrl.rollout.emulation import DelayedEngine
-
-    def slowed(config):
-        return DelayedEngine(config["model"], step_delay_s=0.01, max_batch_size=32)
-
-    monkeypatch.setattr(inference_client, "create_engine", slowed)
+def test_aborts_and_tail_batches_keep_the_bound_and_the_ledger(async_config):
+    """A slowed engine (the emulated-accelerator config key) makes every push find running
+    requests: aborts, continuations, tail candidates, all inside a real run."""
     extra = [
         *MODES["fully-async-partial"],
+        "+service.inference_service.engine.emulated_step_latency_s=0.01",
+        "+service.inference_service.engine.max_batch_size=32",
         "rollout_worker.max_tokens=16",
         "weight.tail_batch_candidate_steps=1",
         "weight.tail_batch_trigger_size=1",

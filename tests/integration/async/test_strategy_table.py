@@ -1,6 +1,6 @@
 """Seed 003's strategy table, one test per row, with the real engine, worker, pool, loader.
 
-A weight push arrives while a rollout is generating: `DelayedEngine` (a sleep
+A weight push arrives while a rollout is generating: `Engine(emulated_step_latency_s=...)` (a sleep
 per engine step) keeps the request running long enough for the push to find it.
 """
 
@@ -11,10 +11,10 @@ import pytest
 
 from nexrl.data import InMemoryDataLoader
 from nexrl.inference.client import LLMServiceClient
+from nexrl.inference.engine import Engine
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrajectoryPool
 from nexrl.rewards import shift_letters
-from nexrl.rollout.emulation import DelayedEngine
 from nexrl.rollout.workers import ABORTS_KEY, PARTIAL_KEY, SingleTurnRolloutWorker
 from nexrl.weight_sync import TAIL_KEY, WeightSyncController
 
@@ -23,7 +23,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture
 def engine(tiny_model_path):
-    eng = DelayedEngine(tiny_model_path, step_delay_s=0.02, max_batch_size=16)
+    eng = Engine(tiny_model_path, emulated_step_latency_s=0.02, max_batch_size=16)
     yield eng
     eng.shutdown()
 

@@ -100,7 +100,9 @@ def test_concurrent_clients(sdk):
         ({"model": "default", "prompt": "x" * 300}, 400, "max_model_len"),
         ({"model": "default", "prompt": [5, 1000]}, 400, "outside the vocabulary"),
         ({"prompt": "x"}, 400, "model"),
-        ({"model": "default", "prompt": "x", "stream": True}, 400, "stream"),
+        ({"model": "default", "prompt": "x" * 300, "stream": True}, 400, "max_model_len"),
+        ({"model": "default", "prompt": ["a", "b"], "stream": True}, 400, "one prompt"),
+        ({"model": "default", "prompt": []}, 400, "empty"),
     ],
 )
 def test_bad_requests_are_4xx_and_server_survives(http, body, status, needle):
