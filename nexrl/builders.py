@@ -135,6 +135,12 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
 
     pool = cfg.trajectory_pool
     groups_per_batch = max(1, pool.batch_size // pool.group_size) if pool.key_list else None
+    backend = cfg.service.inference_service.backend
+    if cfg.weight.inflight_weight_update and backend not in ("builtin", "remote"):
+        raise ValueError(
+            f"weight.inflight_weight_update=true needs the built-in engine (backend builtin, "
+            f"or remote to a `nexrl serve`); service.inference_service.backend is {backend!r}"
+        )
     return WeightSyncController(
         {**_plain(cfg.weight), "groups_per_batch": groups_per_batch},
         build_llm_client(cfg),

@@ -15,7 +15,9 @@ Modes (docs/weight_sync.md, docs/async.md):
   finish on the weights they started with, then the weights are pushed.
 - `fully-async`: a push reaches running requests too: they are aborted
   (pause -> abort -> update -> resume); the rollout worker continues them on
-  the new weights (`enable_partial_rollout`) or re-queues their task.
+  the new weights (`enable_partial_rollout`) or re-queues their task. With
+  `inflight_weight_update` nothing is aborted: the engine swaps the weights
+  between two decode steps and running requests go on with per-token versions.
 
 In every mode a rollout group must be admitted before it starts
 (`acquire_rollout`), which bounds staleness by construction
@@ -226,6 +228,8 @@ class WeightSyncController(NexRLModule):
                         if self._generating.get(model_tag, 0) == 0:
                             break
                     time.sleep(_POLL_S)
+                self.sync_weight_to_rollout_service(model_tag)
+            elif self.policy.inflight_weight_update:  # swapped between two decode steps
                 self.sync_weight_to_rollout_service(model_tag)
             else:  # fully-async: the push reaches running requests
                 self._llm_client.pause()

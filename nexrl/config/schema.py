@@ -161,6 +161,10 @@ class WeightConfig:
     enable_partial_rollout: bool = False
     """fully-async: a weight push aborts running requests; keep their tokens and
     continue them on the new weights (else re-queue the task at the front)."""
+    inflight_weight_update: bool = False
+    """fully-async: a push swaps the weights under running requests instead of
+    aborting them; they continue on the new weights with their cached prefix and
+    per-token versions. Needs the built-in engine (in-process or `nexrl serve`)."""
     tail_batch_candidate_steps: int = 0
     """A task aborted more than this many times waits in the tail-batch candidate
     pool (0: no tail batch)."""

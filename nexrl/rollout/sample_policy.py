@@ -49,6 +49,7 @@ class SamplePolicy:
     staleness_threshold: int = 0
     over_sample_threshold: float = 0.0
     enable_partial_rollout: bool = False
+    inflight_weight_update: bool = False
     tail_batch_candidate_steps: int = 0
     tail_batch_trigger_size: int = 0
     sync_every: int = 1
@@ -65,6 +66,7 @@ class SamplePolicy:
             staleness_threshold=0 if mode == "sync" else int(config.get("staleness_threshold", 0)),
             over_sample_threshold=float(_get(config, "over_sample_threshold", 0.0)),
             enable_partial_rollout=bool(config.get("enable_partial_rollout", False)),
+            inflight_weight_update=bool(config.get("inflight_weight_update", False)),
             tail_batch_candidate_steps=int(_get(config, "tail_batch_candidate_steps", 0)),
             tail_batch_trigger_size=int(_get(config, "tail_batch_trigger_size", 0)),
             sync_every=1 if mode == "sync" else int(_get(config, "sync_every", 1)),
@@ -84,6 +86,11 @@ class SamplePolicy:
         for key, wrong in bad.items():
             if wrong:
                 raise ValueError(f"weight.{key}={getattr(self, key)} is out of range")
+        if self.inflight_weight_update and self.sync_mode != "fully-async":
+            raise ValueError(
+                "weight.inflight_weight_update=true needs weight.sync_mode=fully-async "
+                f"(got {self.sync_mode!r}: its pushes never meet running requests)"
+            )
         if self.groups_per_batch is not None and self.groups_per_batch < 1:
             raise ValueError(f"groups_per_batch must be >= 1, got {self.groups_per_batch}")
 

@@ -18,6 +18,11 @@ MODES = {
         "weight.enable_partial_rollout=true",
         "weight.over_sample_threshold=0.5",
     ],
+    "fully-async-inflight": [
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=1",
+        "weight.inflight_weight_update=true",
+    ],
 }
 
 
@@ -60,6 +65,23 @@ def test_aborts_and_tail_batches_keep_the_bound_and_the_ledger(async_config):
     counters = controller.activity_tracker.get_counters()
     assert counters["rollout/aborted_groups"] > 0
     assert counters["rollout/partial_continuations"] > 0
+
+
+def test_inflight_updates_reach_running_requests_without_aborts(async_config):
+    """Pushes swap the weights under running requests: nothing is aborted, and samples
+    that were running during a push carry two versions in `token_versions`."""
+    extra = [
+        *MODES["fully-async-inflight"],
+        "rollout_worker.max_tokens=16",
+        "+service.inference_service.engine.emulated_step_latency_s=0.01",
+        "+service.inference_service.engine.max_batch_size=32",
+    ]
+    controller = NexRLController(async_config(*extra))
+    controller.run()
+    check_run(controller, "fully-async-inflight")
+    counters = controller.activity_tracker.get_counters()
+    assert counters.get("rollout/aborted_groups", 0) == 0
+    assert any(x["rollout/multi_version_frac"] > 0 for x in train_lines(controller.run_dir))
 
 
 def check_run(controller, mode):

@@ -50,6 +50,28 @@ def test_bad_values_name_the_key(key, value):
         SamplePolicy.from_config({"sync_mode": "fully-async", key: value})
 
 
+@pytest.mark.parametrize("mode", ["sync", "batch-async"])
+def test_inflight_update_is_a_fully_async_option(mode):
+    with pytest.raises(ValueError, match="weight.inflight_weight_update"):
+        SamplePolicy.from_config({"sync_mode": mode, "inflight_weight_update": True})
+
+
+def test_inflight_update_needs_the_builtin_engine():
+    from nexrl.builders import build_weight_sync_controller
+    from nexrl.config import load_config
+
+    cfg = load_config(
+        [
+            "weight.sync_mode=fully-async",
+            "weight.inflight_weight_update=true",
+            "service.inference_service.backend=vllm",
+            "service.inference_service.url=http://127.0.0.1:1",
+        ]
+    )
+    with pytest.raises(ValueError, match="backend is 'vllm'"):
+        build_weight_sync_controller(cfg)
+
+
 def test_unknown_mode_lists_the_choices():
     with pytest.raises(ValueError, match="batch-async"):
         SamplePolicy.from_config({"sync_mode": "async"})
