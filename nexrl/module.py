@@ -2,8 +2,8 @@
 
 A module has a name, an activity tracker proxy and a health check. Modules
 with a background loop (rollout workers, the algorithm processor, the train
-worker) hold a `LoopThread` rather than inheriting thread machinery, so the
-class hierarchy stays two levels deep.
+worker) derive from `LoopModule`: they hold a `LoopThread` in `self._loop`
+(composition, not thread inheritance) and get run / stop / health_check from it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nexrl.distributed import execute
-from nexrl.module import LoopThread, NexRLModule
+from nexrl.module import LoopModule, LoopThread
 from nexrl.types import DEFAULT_MODEL_TAG, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ _RELEASE_REASONS = {
 }
 
 
-class BaseRolloutWorker(NexRLModule):
+class BaseRolloutWorker(LoopModule):
     """Pulls tasks from a loader, calls `step`, routes the outcome."""
 
     def __init__(self, config: Mapping[str, Any], llm_client: Any) -> None:
@@ -89,13 +89,7 @@ class BaseRolloutWorker(NexRLModule):
     def run(self) -> None:
         if self._trajectory_pool is None or self._activity_tracker is None:
             raise RuntimeError(f"{self._module_name}: set module references and tracker first")
-        self._loop.start()
-
-    def stop(self) -> None:
-        self._loop.stop()
-
-    def health_check(self) -> bool:
-        return self._loop.error is None
+        super().run()
 
     def begin_validate(self) -> None:
         self._is_running_validate = True
