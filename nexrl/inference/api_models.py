@@ -90,6 +90,29 @@ def _usage(prompt_len: int, resp: GenerationResponse) -> dict[str, int]:
     }
 
 
+_ID_PREFIX = {
+    "text_completion": "cmpl",
+    "chat.completion": "chatcmpl",
+    "chat.completion.chunk": "chatcmpl",
+}
+
+
+def response_header(obj: str, rid: str | None, model: str, version: int) -> dict[str, Any]:
+    """Fields every response (and every streamed chunk of it) starts with."""
+    return {
+        "id": f"{_ID_PREFIX[obj]}-{rid or uuid.uuid4().hex}",
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "weight_version": version,
+    }
+
+
+def _tail(resp: GenerationResponse, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    usage = _usage(len(resp.input_ids), resp)
+    return {"choices": choices, "prompt_token_ids": resp.input_ids, "usage": usage}
+
+
 def completion_body(
     resp: GenerationResponse, model: str, version: int, tokenizer, logprobs: int | None
 ) -> dict[str, Any]:
@@ -109,16 +132,7 @@ def completion_body(
                 "token_versions": out.output_versions,
             }
         )
-    return {
-        "id": f"cmpl-{resp.rid or uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "prompt_token_ids": resp.input_ids,
-        "weight_version": version,
-        "usage": _usage(len(resp.input_ids), resp),
-    }
+    return {**response_header("text_completion", resp.rid, model, version), **_tail(resp, choices)}
 
 
 def chat_body(
@@ -137,16 +151,7 @@ def chat_body(
                 "token_versions": out.output_versions,
             }
         )
-    return {
-        "id": f"chatcmpl-{resp.rid or uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "prompt_token_ids": resp.input_ids,
-        "weight_version": version,
-        "usage": _usage(len(resp.input_ids), resp),
-    }
+    return {**response_header("chat.completion", resp.rid, model, version), **_tail(resp, choices)}
 
 
 def _completion_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, Any]:

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 class Engine:
     """Continuous-batching `InferenceEngine` for Llama/Qwen2/Qwen3 checkpoints."""
 
+    supports_streaming = True  # submit(..., on_token=...)
+
     def __init__(
         self,
         model_path: str | Path | None = None,
@@ -106,8 +108,6 @@ class Engine:
     @property
     def version(self) -> int:
         return self._version
-
-    supports_streaming = True
 
     def submit(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> Future:
         """Queue `request`; the future resolves to its `GenerationResponse`.

@@ -40,9 +40,15 @@ from nexrl.inference.api_models import (
     chat_chunk_fn,
     completion_body,
     completion_chunk_fn,
+    response_header,
     usage_chunk_fn,
 )
-from nexrl.inference.protocol import GenerationRequest, InferenceEngine, WeightUpdateMeta
+from nexrl.inference.protocol import (
+    GenerationRequest,
+    GenerationResponse,
+    InferenceEngine,
+    WeightUpdateMeta,
+)
 
 
 class APIError(Exception):
@@ -124,37 +130,7 @@ def create_app(
                 404, f"model {name!r} not found; this server has {model_name!r}", "model_not_found"
             )
 
-    async def run(ids: list[int], body, default_max: int, endpoint: str):
-        params = body.sampling(default_max)
-        version = engine.version
-        try:
-            resp = await engine.agenerate(GenerationRequest(ids, params, rid=body.rid))
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
-        metrics.requests.labels(endpoint).inc()
-        metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
-        return resp, version
-
-    async def stream(ids: list[int], body, default_max: int, endpoint: str, chunks):
-        """`stream=true`: server-sent events (nexrl/inference/streaming.py)."""
-        if not getattr(engine, "supports_streaming", False):
-            raise APIError(400, f"stream=true: {type(engine).__name__} cannot stream tokens")
-        rid = body.rid or uuid.uuid4().hex
-        request = GenerationRequest(ids, body.sampling(default_max), rid=rid)
-        kind = "completion" if endpoint == "completions" else "chat"
-        header = streaming.chunk_header(kind, rid, model_name, engine.version)
-        try:
-            started = await streaming.start(engine, request)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
-        metrics.requests.labels(endpoint).inc()
-        usage = usage_chunk_fn(header) if (body.stream_options or {}).get("include_usage") else None
-
-        def count(resp) -> None:
-            metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
-
-        events = streaming.sse(engine, request, started, tokenizer, chunks(header), usage, count)
-        return StreamingResponse(events, media_type="text/event-stream")
+    gen = _Generation(engine, metrics, model_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -168,8 +144,9 @@ def create_app(
             if len(prompts) != 1:
                 raise APIError(400, "prompt: stream=true takes one prompt per request")
             chunks = partial(completion_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
-            return await stream(prompts[0], body, default_max(prompts[0]), "completions", chunks)
-        runs = [run(ids, body, default_max(ids), "completions") for ids in prompts]
+            ids = prompts[0]
+            return await gen.stream(ids, body, default_max(ids), "completions", chunks)
+        runs = [gen.run(ids, body, default_max(ids), "completions") for ids in prompts]
         bodies = [
             completion_body(resp, model_name, version, tokenizer, body.logprobs)
             for resp, version in await asyncio.gather(*runs)
@@ -187,9 +164,17 @@ def create_app(
         default_max = max((max_len or len(ids) + 16) - len(ids), 0)
         if body.stream:
             chunks = partial(chat_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
-            return await stream(ids, body, default_max, "chat", chunks)
-        resp, version = await run(ids, body, default_max, "chat")
+            return await gen.stream(ids, body, default_max, "chat", chunks)
+        resp, version = await gen.run(ids, body, default_max, "chat")
         return JSONResponse(chat_body(resp, model_name, version, tokenizer, body.logprobs))
+
+    _info_routes(app, engine, metrics, model_name)
+    _control_routes(app, engine)
+    return app
+
+
+def _info_routes(app: FastAPI, engine: InferenceEngine, metrics: _Metrics, model_name: str) -> None:
+    max_len = getattr(engine, "max_model_len", None)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -207,8 +192,46 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    _control_routes(app, engine)
-    return app
+
+class _Generation:
+    """Runs one generation for an endpoint: a whole response, or a token stream."""
+
+    def __init__(self, engine: InferenceEngine, metrics: _Metrics, model_name: str) -> None:
+        self.engine, self.metrics, self.model_name = engine, metrics, model_name
+
+    def _count(self, resp: GenerationResponse) -> None:
+        self.metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
+
+    async def run(self, ids: list[int], body, default_max: int, endpoint: str):
+        params = body.sampling(default_max)
+        version = self.engine.version
+        try:
+            resp = await self.engine.agenerate(GenerationRequest(ids, params, rid=body.rid))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        self.metrics.requests.labels(endpoint).inc()
+        self._count(resp)
+        return resp, version
+
+    async def stream(self, ids: list[int], body, default_max: int, endpoint: str, chunks):
+        """`stream=true`: server-sent events (nexrl/inference/streaming.py)."""
+        engine = self.engine
+        if not getattr(engine, "supports_streaming", False):
+            raise APIError(400, f"stream=true: {type(engine).__name__} cannot stream tokens")
+        rid = body.rid or uuid.uuid4().hex
+        request = GenerationRequest(ids, body.sampling(default_max), rid=rid)
+        obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+        header = response_header(obj, rid, self.model_name, engine.version)
+        try:
+            started = await streaming.start(engine, request)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        self.metrics.requests.labels(endpoint).inc()
+        usage = usage_chunk_fn(header) if (body.stream_options or {}).get("include_usage") else None
+        events = streaming.sse(
+            engine, request, started, engine.tokenizer, chunks(header), usage, self._count
+        )
+        return StreamingResponse(events, media_type="text/event-stream")
 
 
 def _control_routes(app: FastAPI, engine: InferenceEngine) -> None:

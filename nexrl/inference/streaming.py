@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -125,18 +124,3 @@ async def sse(
 
 def _data(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
-
-
-def chunk_header(kind: str, rid: str, model: str, version: int) -> dict[str, Any]:
-    """Fields shared by every chunk of one response."""
-    if kind == "completion":
-        prefix, obj = "cmpl", "text_completion"
-    else:
-        prefix, obj = "chatcmpl", "chat.completion.chunk"
-    return {
-        "id": f"{prefix}-{rid}",
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "weight_version": version,
-    }
