@@ -43,6 +43,7 @@ from nexrl.inference.protocol import (
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import (
+    SampleKinds,
     StopChecker,
     sample_generator,
     sample_next,
@@ -76,6 +77,8 @@ class Engine:
         seed: int = 0,
         model_and_tokenizer: tuple[Any, Any] | None = None,
         emulated_step_latency_s: float = 0.0,
+        matmul: str = "auto",
+        native_attention: bool = True,
     ) -> None:
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
@@ -88,7 +91,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.emulated_step_latency_s = float(emulated_step_latency_s)
-        self.runner = ModelRunner(model, max_batch_size, self.max_model_len)
+        self.runner = ModelRunner(
+            model, max_batch_size, self.max_model_len, matmul, native_attention
+        )
         self.batch = RunningBatch(max_batch_size, self.max_model_len, device)
         eos = model.generation_config.eos_token_id
         self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
@@ -234,25 +239,31 @@ class Engine:
         self._finish()  # a first token may already end a sample
         b = len(self.batch)
         if b:
-            span = int(self.batch.pos[:b].max()) + 1
-            logits = self.runner.decode(self.batch.cur_tok[:b], self.batch.pos[:b], span)
-            self._sample_and_record(torch.arange(b), logits)
+            logits = self.runner.decode(self.batch.cur_tok[:b], self.batch.pos[:b])
+            self._sample_and_record(slice(0, b), logits)
         self._finish()
         self.stats.update(running=len(self.batch), waiting=len(self._waiting))
         self.stats["steps"] += 1
 
-    def _sample_and_record(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+    def _sample_and_record(self, rows: slice, logits: torch.Tensor) -> None:
         bt = self.batch
         tokens, lps = sample_next(
-            logits, bt.temp[rows], bt.top_p[rows], bt.top_k[rows], bt.generators(rows), self._gen
+            logits,
+            bt.temp[rows],
+            bt.top_p[rows],
+            bt.top_k[rows],
+            bt.generators(rows),
+            self._gen,
+            kinds=SampleKinds.of(bt.counts),
         )
         bt.record(rows, tokens, lps, self._version)
-        self.stats["generated_tokens"] += int(rows.numel())
-        if bt.n_streaming:
+        self.stats["generated_tokens"] += rows.stop - rows.start
+        if bt.counts["streaming"]:
             self._stream(rows, tokens, lps)
 
-    def _stream(self, rows: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor) -> None:
-        for j, tok, lp in zip(rows.tolist(), tokens.tolist(), lps.tolist(), strict=True):
+    def _stream(self, rows: slice, tokens: torch.Tensor, lps: torch.Tensor) -> None:
+        rng = range(rows.start, rows.stop)
+        for j, tok, lp in zip(rng, tokens.tolist(), lps.tolist(), strict=True):
             pending, index = self.batch.rows[j].pending, self.batch.rows[j].index
             if pending.on_token is None:
                 continue
@@ -295,7 +306,7 @@ class Engine:
         dst = torch.arange(start, start + len(rows))
         logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst)  # (R, V)
         idx = self.batch.add_rows(rows, plens)
-        self._sample_and_record(idx, logits[torch.tensor(src)])
+        self._sample_and_record(idx, logits.index_select(0, torch.tensor(src)))
         self.stats["requests"] += len(chosen)
 
     def _finish(self) -> None:
@@ -316,7 +327,7 @@ class Engine:
         self._inbox.clear()
         for j, row in enumerate(self.batch.rows):
             if rid is None or row.pending.request.rid == rid:
-                self.batch.abort[j] = True
+                self.batch.set_abort(j)
         keep: deque[Pending] = deque()
         for p in self._waiting:
             if rid is None or p.request.rid == rid:

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nexrl.inference import native
+from nexrl.inference.kernels import linear_for
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -56,6 +59,49 @@ class _Layer:
     gate_up_b: torch.Tensor | None
     down_w: torch.Tensor
     down_b: torch.Tensor | None
+
+
+@dataclass
+class _Plan:
+    """Index plan of one prefill: R prompts of `lengths`, packed into T tokens."""
+
+    lengths: torch.Tensor  # (R,)
+    grid: torch.Tensor  # (T,) index of each token in the flattened (R, P) padded grid
+    pos: torch.Tensor  # (T,) position of each token in its prompt
+    last: torch.Tensor  # (R,) packed index of each prompt's last token
+    cache_from: torch.Tensor  # (M * kv,) row of the packed (T * kv, D) K/V to copy ...
+    cache_to: torch.Tensor  # (M * kv,) ... into this row of the flat (slots*kv*len, D) cache
+
+    @staticmethod
+    def build(lengths, src, dst, width: int, n_kv: int, max_len: int) -> _Plan:
+        def ragged_arange(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """(which segment, index within it) of every element of segments `counts`."""
+            seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
+            starts = torch.cumsum(counts, 0) - counts
+            return seg, torch.arange(int(counts.sum())) - starts[seg]
+
+        offsets = torch.cumsum(lengths, 0) - lengths  # packed start of each prompt
+        row, pos = ragged_arange(lengths)
+        j, cache_pos = ragged_arange(lengths[src])  # every (cache row, position) to fill
+        token = offsets[src][j] + cache_pos
+        heads = torch.arange(n_kv)
+        return _Plan(
+            lengths=lengths,
+            grid=row * width + pos,
+            pos=pos,
+            last=offsets + lengths - 1,
+            cache_from=(token[:, None] * n_kv + heads).flatten(),
+            cache_to=((dst[j][:, None] * n_kv + heads) * max_len + cache_pos[:, None]).flatten(),
+        )
+
+    def pad(self, t: torch.Tensor, r: int, p: int) -> torch.Tensor:
+        """Packed (T, heads, D) -> zero-padded (R, heads, P, D)."""
+        out = t.new_zeros(r * p, *t.shape[1:]).index_copy_(0, self.grid, t)
+        return out.view(r, p, *t.shape[1:]).transpose(1, 2)
+
+    def key_mask(self, r: int, p: int) -> torch.Tensor:
+        """(R, 1, 1, P) True on each prompt's real positions."""
+        return (torch.arange(p)[None] < self.lengths[:, None]).view(r, 1, 1, p)
 
 
 def _layer(block: torch.nn.Module) -> _Layer:
@@ -92,7 +138,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 class ModelRunner:
     """Owns the cache and runs prefill / decode forwards. Not thread-safe: one owner thread."""
 
-    def __init__(self, model: torch.nn.Module, max_slots: int, max_len: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_slots: int,
+        max_len: int,
+        matmul: str = "auto",
+        native_attention: bool = True,
+    ) -> None:
         if not is_supported(model):
             raise ValueError(f"lean forward does not support {type(model).__name__}")
         cfg = model.config
@@ -104,6 +157,7 @@ class ModelRunner:
         self.max_slots, self.max_len = max_slots, max_len
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.linear = linear_for(self.device, self.dtype, matmul)
         shape = (max_slots, self.n_kv, max_len, self.head_dim)
         n_layers = cfg.num_hidden_layers
         self.k_cache = [
@@ -112,6 +166,14 @@ class ModelRunner:
         self.v_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)
         ]
+        slots = torch.arange(max_slots, device=self.device)[:, None] * self.n_kv
+        self._row_base = (slots + torch.arange(self.n_kv, device=self.device)) * max_len
+        on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.native_attention = (
+            native.decode_attention(self.head_dim, max_len)
+            if native_attention and on_cpu_fp32
+            else None
+        )
         self._rope_table(max_len)
         self.refresh()
 
@@ -141,26 +203,13 @@ class ModelRunner:
             v[dst] = v[src]
 
     # -- forwards ---------------------------------------------------------------------------
-    def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h (N, S, H) -> q (N, heads, S, D), k and v (N, kv_heads, S, D), rotated."""
-        n, s, _ = h.shape
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
-        d = self.head_dim
-        q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
-        q = q.view(n, s, self.n_heads, d).transpose(1, 2)
-        k = k.view(n, s, self.n_kv, d).transpose(1, 2)
-        v = v.view(n, s, self.n_kv, d).transpose(1, 2)
-        if layer.q_norm is not None:
-            q, k = _rms(q, layer.q_norm, self.eps), _rms(k, layer.k_norm, self.eps)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = _rms(x, layer.ln2, self.eps)
-        gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+        gate, up = self.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms(x, self.final_norm, self.eps), self.lm_head).float()
+        return self.linear(_rms(x, self.final_norm, self.eps), self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(
@@ -170,49 +219,74 @@ class ModelRunner:
 
         tokens (R, P) right-padded prompts, lengths (R,); prompt `src[i]` is copied into
         cache row `dst[i]` (a prompt with n samples appears n times in `src`).
+
+        The linears run on the T real tokens only (no padding); only attention sees the
+        padded (R, P) grid. The last layer needs its output at each prompt's last token
+        only, so its attention, o-projection and MLP run on R rows.
         """
         r, p = tokens.shape
-        cos, sin = self.cos[:p], self.sin[:p]
-        x = F.embedding(tokens, self.embed)  # (R, P, H)
+        plan = _Plan.build(lengths, src, dst, p, self.n_kv, self.max_len)
+        cos, sin = self.cos[plan.pos][:, None], self.sin[plan.pos][:, None]  # (T, 1, D)
+        x = F.embedding(tokens.reshape(-1)[plan.grid], self.embed)  # (T, H)
+        last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, _rms(x, layer.ln1, self.eps), cos, sin)
-            self.k_cache[i][dst, :, :p] = k[src]
-            self.v_cache[i][dst, :, :p] = v[src]
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(att.transpose(1, 2).reshape(r, p, -1), layer.o_w, layer.o_b)
-            x = self._mlp(layer, x)
-        last = x[torch.arange(r, device=x.device), lengths - 1]  # (R, H)
-        return self._logits(last)
+            q, k, v = self._decode_qkv(layer, _rms(x, layer.ln1, self.eps), cos, sin)
+            self._write_prompt_kv(i, plan, k, v)
+            kp, vp = plan.pad(k, r, p), plan.pad(v, r, p)  # (R, kv, P, D)
+            if i < last_layer:
+                att = F.scaled_dot_product_attention(
+                    plan.pad(q, r, p), kp, vp, is_causal=True, enable_gqa=True
+                )  # (R, heads, P, D)
+                att = att.transpose(1, 2).reshape(r * p, -1).index_select(0, plan.grid)
+            else:
+                q_last = q.index_select(0, plan.last)[:, :, None]  # (R, heads, 1, D)
+                att = F.scaled_dot_product_attention(
+                    q_last, kp, vp, attn_mask=plan.key_mask(r, p), enable_gqa=True
+                ).reshape(r, -1)
+                x = x.index_select(0, plan.last)
+            x = self._mlp(layer, x + self.linear(att, layer.o_w, layer.o_b))
+        return self._logits(x)
+
+    def _write_prompt_kv(self, layer: int, plan: _Plan, k: torch.Tensor, v: torch.Tensor) -> None:
+        d = self.head_dim
+        for cache, new in ((self.k_cache[layer], k), (self.v_cache[layer], v)):
+            rows = new.reshape(-1, d).index_select(0, plan.cache_from)
+            cache.view(-1, d).index_copy_(0, plan.cache_to, rows)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
-        """One step for rows [0, B): tokens (B,) at positions pos (B,); returns logits (B, V).
-
-        `span` = max(pos) + 1, the cache length attended to.
-        """
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One step for rows [0, B): tokens (B,) at positions pos (B,); returns logits (B, V)."""
         b, kv, d = tokens.shape[0], self.n_kv, self.head_dim
         # flat cache index of (row, kv head, pos) for index_copy_, shared by all layers
-        heads = torch.arange(kv, device=pos.device)
-        rows = torch.arange(b, device=pos.device)
-        flat = ((rows[:, None] * kv + heads[None]) * self.max_len + pos[:, None]).flatten()
+        flat = (self._row_base[:b] + pos[:, None]).flatten()
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
-        visible = torch.arange(span, device=pos.device)[None] <= pos[:, None]  # (B, L)
-        bias = torch.zeros(b, 1, span, dtype=self.dtype).masked_fill_(~visible[:, None], -1e30)
+        span = 0 if self.native_attention else int(pos.max()) + 1  # torch path: keys attended
+        bias = None if self.native_attention else self._decode_bias(pos, span)
         x = F.embedding(tokens, self.embed)  # (B, H)
         for i, layer in enumerate(self.layers):
             q, k, v = self._decode_qkv(layer, _rms(x, layer.ln1, self.eps), cos, sin)
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc.view(-1, d).index_copy_(0, flat, k.reshape(b * kv, d))
             vc.view(-1, d).index_copy_(0, flat, v.reshape(b * kv, d))
-            att = self._decode_attention(q, kc, vc, bias, b, span)
-            x = x + F.linear(att.reshape(b, -1), layer.o_w, layer.o_b)
+            if self.native_attention is not None:
+                att = self.native_attention(q, kc, vc, pos, b)
+            else:
+                att = self._decode_attention(q, kc, vc, bias, b, span)
+            x = x + self.linear(att.reshape(b, -1), layer.o_w, layer.o_b)
             x = self._mlp(layer, x)
         return self._logits(x)
+
+    def _decode_bias(self, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """(B, 1, span) additive mask of the torch attention path: -1e30 past each row's pos."""
+        hidden = torch.arange(span, device=pos.device)[None] > pos[:, None]
+        return torch.zeros(pos.shape[0], 1, span, dtype=self.dtype).masked_fill_(
+            hidden[:, None], -1e30
+        )
 
     def _decode_qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h (B, H) -> q (B, heads, D), k and v (B, kv_heads, D); RoPE on q and k in one go."""
         nh, kv, d = self.n_heads, self.n_kv, self.head_dim
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(h.shape[0], nh + 2 * kv, d)
+        qkv = self.linear(h, layer.qkv_w, layer.qkv_b).view(h.shape[0], nh + 2 * kv, d)
         v = qkv[:, nh + kv :]
         if layer.q_norm is None:
             qk = _rotate(qkv[:, : nh + kv], cos, sin)

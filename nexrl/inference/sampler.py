@@ -17,10 +17,24 @@ which is what a trainer that also divides its logits by `T` computes. Greedy
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from nexrl.inference.protocol import GenerationOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleKinds:
+    """Which sampling features some row of the batch uses; the others are skipped."""
+
+    greedy: bool = True  # temperature 0
+    tempered: bool = True  # temperature other than 0 and 1
+    truncated: bool = True  # top_k or top_p
+
+    @staticmethod
+    def of(counts: Mapping[str, int]) -> SampleKinds:
+        return SampleKinds(counts["greedy"] > 0, counts["tempered"] > 0, counts["truncated"] > 0)
 
 
 def sample_next(
@@ -30,20 +44,24 @@ def sample_next(
     top_k: torch.Tensor,  # (B,) long, <= 0 = off
     generators: Mapping[int, torch.Generator] | None = None,
     default_generator: torch.Generator | None = None,
+    kinds: SampleKinds = SampleKinds(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns `(tokens (B,) long, logprobs (B,) float)`.
 
     `generators` maps a row to its private generator (seeded requests); other rows
-    draw from `default_generator`.
+    draw from `default_generator`. `kinds` may promise that no row uses a feature.
     """
     logits = logits.float()
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V) reported distribution
-    filtered = _truncate(logp, top_p, top_k)
-    gumbel = _gumbel_noise(logp.shape, generators or {}, default_generator)  # (B, V)
-    sampled = (filtered + gumbel).argmax(dim=-1)  # Gumbel-max == multinomial
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    scaled = logits
+    if kinds.greedy or kinds.tempered:
+        greedy = temperature <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)  # (B, V) reported distribution
+    filtered = _truncate(logp, top_p, top_k) if kinds.truncated else logp
+    noise = _gumbel_noise(logp.shape, generators or {}, default_generator)  # (B, V)
+    tokens = (filtered + noise).argmax(dim=-1)  # Gumbel-max == multinomial
+    if kinds.greedy:
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 

@@ -14,6 +14,7 @@ Usage order, from the engine's scheduler thread only:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -48,6 +49,19 @@ class Row:
     generator: torch.Generator | None
 
 
+# Row kinds counted so that a step skips the work no running row needs.
+_KINDS: dict[str, Callable[[Row], bool]] = {
+    "stop_strings": lambda r: bool(r.pending.checker.stop),
+    "seeded": lambda r: r.generator is not None,
+    "streaming": lambda r: r.pending.on_token is not None,
+    "greedy": lambda r: r.pending.request.sampling.temperature <= 0,
+    "tempered": lambda r: r.pending.request.sampling.temperature not in (0, 1),
+    "truncated": lambda r: (
+        r.pending.request.sampling.top_k > 0 or r.pending.request.sampling.top_p < 1
+    ),
+}
+
+
 class RunningBatch:
     """Dense per-row state of the running samples (see module docstring)."""
 
@@ -55,9 +69,8 @@ class RunningBatch:
         s, d = max_slots, device
         self.max_slots, self.max_len = max_slots, max_len
         self.rows: list[Row] = []
-        self._n_stop_strings = 0  # rows whose request has stop strings
-        self._n_seeded = 0  # rows with a private generator
-        self.n_streaming = 0  # rows whose request streams its tokens
+        self.counts = dict.fromkeys(_KINDS, 0)  # running rows of each kind
+        self._aborting = False  # some row has its abort flag set
         self.cur_tok = torch.zeros(s, dtype=torch.long, device=d)
         self.pos = torch.zeros(s, dtype=torch.long, device=d)  # position of cur_tok
         self.n_gen = torch.zeros(s, dtype=torch.long, device=d)
@@ -94,10 +107,10 @@ class RunningBatch:
             self.out_ver,
         ]
 
-    def add_rows(self, rows: list[Row], prompt_lens: list[int]) -> torch.Tensor:
-        """Append rows (prefilled elsewhere); returns their row indices (M,)."""
+    def add_rows(self, rows: list[Row], prompt_lens: list[int]) -> slice:
+        """Append rows (prefilled elsewhere); returns their row range."""
         start = len(self.rows)
-        idx = torch.arange(start, start + len(rows), device=self.pos.device)
+        idx = slice(start, start + len(rows))
         width = max(len(r.pending.stop_ids) for r in rows)
         if width > self.stop_ids.shape[1]:
             pad = torch.full((self.max_slots, width - self.stop_ids.shape[1]), -1, dtype=torch.long)
@@ -112,30 +125,31 @@ class RunningBatch:
         self.n_gen[idx] = 0
         self.abort[idx] = False
         self.rows.extend(rows)
-        self._n_stop_strings += sum(bool(r.pending.checker.stop) for r in rows)
-        self._n_seeded += sum(r.generator is not None for r in rows)
-        self.n_streaming += sum(r.pending.on_token is not None for r in rows)
+        self._count(rows, +1)
         return idx
 
-    def generators(self, rows: torch.Tensor | None = None) -> dict[int, torch.Generator]:
-        """Private generators by position in `rows` (default: all running rows)."""
-        if not self._n_seeded:
-            return {}
-        if rows is None:
-            return {i: r.generator for i, r in enumerate(self.rows) if r.generator is not None}
-        out = {}
-        for i, j in enumerate(rows.tolist()):
-            if self.rows[j].generator is not None:
-                out[i] = self.rows[j].generator
-        return out
+    def _count(self, rows: list[Row], sign: int) -> None:
+        for kind, test in _KINDS.items():
+            self.counts[kind] += sign * sum(map(test, rows))
 
-    def record(self, rows: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, version: int):
-        """Store the sampled tokens (M,) of `rows` (M,) and advance them."""
-        n = self.n_gen[rows]
-        self.out_tok[rows, n] = tokens
-        self.out_lp[rows, n] = lps
-        self.out_ver[rows, n] = version
-        self.n_gen[rows] = n + 1
+    def generators(self, rows: slice) -> dict[int, torch.Generator]:
+        """Private generators by position in the row range `rows`."""
+        if not self.counts["seeded"]:
+            return {}
+        chosen = self.rows[rows]
+        return {i: r.generator for i, r in enumerate(chosen) if r.generator is not None}
+
+    def set_abort(self, j: int) -> None:
+        self.abort[j] = True
+        self._aborting = True
+
+    def record(self, rows: slice, tokens: torch.Tensor, lps: torch.Tensor, version: int):
+        """Store the sampled tokens (M,) of the row range `rows` and advance those rows."""
+        n = self.n_gen[rows, None]
+        self.out_tok[rows].scatter_(1, n, tokens[:, None])
+        self.out_lp[rows].scatter_(1, n, lps[:, None])
+        self.out_ver[rows].scatter_(1, n, torch.full_like(n, version, dtype=torch.int32))
+        self.n_gen[rows] += 1
         self.pos[rows] += 1
         self.cur_tok[rows] = tokens
 
@@ -144,11 +158,13 @@ class RunningBatch:
         b = len(self.rows)
         if b == 0:
             return []
-        tok = self.cur_tok[:b, None]
-        done = (self.n_gen[:b] >= self.max_gen[:b]) | self.abort[:b]
-        done |= (tok == self.stop_ids[:b]).any(dim=1)
+        done = self.n_gen[:b] >= self.max_gen[:b]
+        if self._aborting:  # every aborted row is found here, and then compacted away
+            done |= self.abort[:b]
+            self._aborting = False
+        done |= (self.cur_tok[:b, None] == self.stop_ids[:b]).any(dim=1)
         found = done.nonzero().flatten().tolist()
-        if not self._n_stop_strings:
+        if not self.counts["stop_strings"]:
             return found
         for j, row in enumerate(self.rows):
             if row.pending.checker.stop and j not in found and self._hit_stop_string(j):
@@ -184,9 +200,7 @@ class RunningBatch:
         b = len(self.rows)
         keep_n = b - len(finished)
         gone = set(finished)
-        self._n_stop_strings -= sum(bool(self.rows[j].pending.checker.stop) for j in gone)
-        self._n_seeded -= sum(self.rows[j].generator is not None for j in gone)
-        self.n_streaming -= sum(self.rows[j].pending.on_token is not None for j in gone)
+        self._count([self.rows[j] for j in gone], -1)
         holes = [j for j in sorted(gone) if j < keep_n]
         movers = [j for j in range(keep_n, b) if j not in gone]
         src = torch.tensor(movers, dtype=torch.long)

@@ -1,0 +1,66 @@
+/* Decode-step attention over a slot KV cache, one query token per running row.
+ *
+ * Layouts (fp32, contiguous unless a stride is given):
+ *   q      (rows, heads, HEAD_DIM), rows `q_row_stride` floats apart
+ *   k, v   (slots, kv_heads, max_len, HEAD_DIM); row b uses slot b
+ *   pos    (rows,) the last position row b attends to (inclusive)
+ *   out    (rows, heads, HEAD_DIM)
+ *   scores scratch of max_len floats
+ *
+ * Query head h reads kv head h / (heads / kv_heads) (grouped-query attention).
+ * Each row reads only its own pos + 1 keys, so rows of different lengths cost
+ * what they use. HEAD_DIM is a compile-time constant so that the per-key loops
+ * unroll into a few vector instructions; the loader builds one library per
+ * head size.
+ */
+#include <stdint.h>
+#include <math.h>
+
+#ifndef HEAD_DIM
+#error "compile with -DHEAD_DIM=<head size>"
+#endif
+
+static inline float dot(const float *restrict a, const float *restrict b) {
+  float acc = 0.f;
+  for (int d = 0; d < HEAD_DIM; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+/* softmax(scale * q.K^T) V for one query head against n cached keys. */
+static void attend_one(const float *restrict qh, const float *restrict keys,
+                       const float *restrict values, int64_t n, float scale,
+                       float *restrict scores, float *restrict o) {
+  float top = -3.0e38f; /* finite: the library is built with -ffast-math */
+  for (int64_t l = 0; l < n; ++l) {
+    scores[l] = dot(qh, keys + l * HEAD_DIM) * scale;
+    top = scores[l] > top ? scores[l] : top;
+  }
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t l = 0; l < n; ++l) {
+    scores[l] = expf(scores[l] - top);
+    total += scores[l];
+  }
+  float acc[HEAD_DIM] = {0};
+  for (int64_t l = 0; l < n; ++l) {
+    const float p = scores[l];
+    const float *restrict vl = values + l * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * vl[d];
+  }
+  const float inv = 1.f / total;
+  for (int d = 0; d < HEAD_DIM; ++d) o[d] = acc[d] * inv;
+}
+
+void decode_attention(const float *restrict q, int64_t q_row_stride, const float *restrict k,
+                      const float *restrict v, const int64_t *restrict pos, float *restrict out,
+                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t max_len,
+                      float scale, float *restrict scores) {
+  const int64_t group = heads / kv_heads;
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t cache_row = (b * kv_heads + h / group) * max_len * HEAD_DIM;
+      attend_one(q + b * q_row_stride + h * HEAD_DIM, k + cache_row, v + cache_row, pos[b] + 1,
+                 scale, scores, out + (b * heads + h) * HEAD_DIM);
+    }
+  }
+}

@@ -1,0 +1,93 @@
+"""The matmul behind the lean forward's linear layers.
+
+On a CPU, `F.linear` runs MKL's sgemm. MKL picks its kernels by CPU vendor: on the AMD
+EPYC machines we measure on it stays near 100 GFLOP/s per core, while oneDNN, which
+dispatches on the instruction set (AVX-512 here), runs the same fp32 products 1.4-2.4x
+faster once they are large enough (`python -m nexrl.inference.kernels` prints the ratio
+per shape). oneDNN's linear is reached through `torch.ops.mkldnn._linear_pointwise`, the
+op torch's own compiler emits for CPU linears. It costs about 10 µs more per call, so
+products below `ONEDNN_MIN_MACS` stay on `F.linear`.
+
+Both compute in full fp32 (no TF32/bf16 down-conversion): the logprob parity with the
+trainer holds either way (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+ONEDNN_MIN_MACS = 1 << 20  # rows x in x out below which MKL's lower call cost wins
+MATMUL_BACKENDS = ("auto", "torch", "onednn")
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when oneDNN's linear runs here and agrees with `F.linear`."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    x, w = torch.randn(8, 32, dtype=dtype), torch.randn(16, 32, dtype=dtype)
+    try:
+        out = _onednn(x, w, None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return torch.allclose(out.float(), F.linear(x, w).float(), atol=tol, rtol=tol)
+
+
+def linear_for(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> LinearFn:
+    """The linear to use for weights of `dtype` on `device`.
+
+    `auto`: oneDNN for large products on a CPU where it works, else `F.linear`;
+    `torch`: always `F.linear`; `onednn`: oneDNN for every product (errors if missing).
+    """
+    if backend not in MATMUL_BACKENDS:
+        raise ValueError(f"matmul must be one of {MATMUL_BACKENDS}, got {backend!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if backend == "onednn":
+        if not (on_cpu and onednn_available(dtype)):
+            raise ValueError(f"matmul='onednn' is not available for {dtype} on {device}")
+        return _onednn
+    if backend == "torch" or not on_cpu or not onednn_available(dtype):
+        return F.linear
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() // x.shape[-1] * w.numel() >= ONEDNN_MIN_MACS:
+            return _onednn(x, w, b)
+        return F.linear(x, w, b)
+
+    return linear
+
+
+def _compare(repeats: int = 500) -> None:
+    """Print F.linear time / oneDNN time for the shapes of small decoder layers."""
+    import time
+
+    def clock(fn: LinearFn, x: torch.Tensor, w: torch.Tensor) -> float:
+        for _ in range(20):
+            fn(x, w, None)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn(x, w, None)
+        return time.perf_counter() - start
+
+    print("in x out: ratio F.linear / oneDNN at rows 1 .. 256 (>1: oneDNN faster)")
+    for k, n in [(128, 256), (128, 512), (512, 1024), (512, 4096), (2048, 512)]:
+        cells = []
+        for m in (1, 4, 16, 64, 256):
+            x, w = torch.randn(m, k), torch.randn(n, k)
+            ratio = clock(F.linear, x, w) / clock(_onednn, x, w)
+            cells.append(f"{m}:{ratio:.2f}")
+        print(f"{k:>5} x {n:<5} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _compare()

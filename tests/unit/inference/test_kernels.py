@@ -1,0 +1,112 @@
+"""The engine's fast paths: oneDNN linears, the native decode attention, the packed prefill.
+
+Each fast path must give the trainer's logprobs (1e-4, fp32) exactly like the plain
+torch path it replaces.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nexrl.inference import native
+from nexrl.inference.engine import Engine
+from nexrl.inference.kernels import ONEDNN_MIN_MACS, linear_for, onednn_available
+from nexrl.inference.protocol import GenerationRequest, SamplingParams
+
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here"
+)
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_linear_dispatch_matches_f_linear():
+    auto = linear_for(torch.device("cpu"), torch.float32, "auto")
+    assert linear_for(torch.device("cpu"), torch.float32, "torch") is F.linear
+    for rows in (1, 64, 256):  # below and above the oneDNN threshold
+        x, w, b = torch.randn(rows, 128), torch.randn(512, 128), torch.randn(512)
+        assert (rows * 128 * 512 >= ONEDNN_MIN_MACS) == (rows >= 16)
+        torch.testing.assert_close(auto(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    forced = linear_for(torch.device("cpu"), torch.float32, "onednn")
+    x3 = torch.randn(4, 7, 32)  # (batch, seq, in) as in the prefill
+    torch.testing.assert_close(forced(x3, w[:, :32], None), F.linear(x3, w[:, :32]))
+
+
+def test_linear_backend_is_validated():
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        linear_for(torch.device("cpu"), torch.float32, "blas")
+
+
+@needs_cc
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (4, 4, 16), (8, 2, 24)])
+def test_native_attention_matches_reference(heads, kv_heads, head_dim):
+    attend = native.decode_attention(head_dim, 40)
+    assert attend is not None, "the kernel failed to build or failed its self-check"
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    rows = 6
+    kc = torch.randn(8, kv_heads, 40, head_dim, generator=gen)
+    vc = torch.randn(8, kv_heads, 40, head_dim, generator=gen)
+    pos = torch.tensor([0, 3, 39, 17, 1, 25])
+    # q as the decode step hands it over: a strided slice of the fused q/k projection
+    qk = torch.randn(rows, heads + kv_heads, head_dim, generator=gen)
+    q = qk[:, :heads]
+    want = native.reference_attention(q, kc, vc, pos, rows)
+    torch.testing.assert_close(attend(q, kc, vc, pos, rows), want, atol=1e-5, rtol=1e-4)
+    for b, p in enumerate(pos.tolist()):  # keys and values past a row's position are never read
+        kc[b, :, p + 1 :] = float("nan")
+        vc[b, :, p + 1 :] = float("nan")
+    torch.testing.assert_close(attend(q, kc, vc, pos, rows), want, atol=1e-5, rtol=1e-4)
+
+
+@needs_cc
+def test_native_build_is_cached_and_can_be_switched_off(monkeypatch):
+    first = native._build(32)
+    assert first is not None and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native._build(32) == first and first.stat().st_mtime_ns == stamp
+    monkeypatch.setenv("NEXRL_NATIVE", "0")
+    native.decode_attention.cache_clear()
+    try:
+        assert native.decode_attention(32, 16) is None
+    finally:
+        native.decode_attention.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("matmul", "native_attention"),
+    [("torch", False), pytest.param("onednn", True, marks=[needs_onednn, needs_cc])],
+)
+def test_fast_paths_keep_trainer_parity(
+    tiny_path, hf_model, trainer_logprobs, matmul, native_attention
+):
+    """Prompts of different lengths, n > 1, prefilled together: every logprob matches."""
+    engine = Engine(tiny_path, max_batch_size=16, matmul=matmul, native_attention=native_attention)
+    try:
+        assert (engine.runner.native_attention is not None) == native_attention
+        prompts = [[5, 6, 7], list(range(10, 31)), [9], list(range(3, 14))]
+        prefills, prefill = [], engine.runner.prefill
+        engine.runner.prefill = lambda t, *a: prefills.append(t.shape[0]) or prefill(t, *a)
+        engine.pause()  # queue them all so that one prefill packs them together
+        futures = [
+            engine.submit(
+                GenerationRequest(
+                    p, SamplingParams(max_new_tokens=12, n=3, seed=i, ignore_eos=True)
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
+        engine.resume()
+        for prompt, fut in zip(prompts, futures, strict=True):
+            outs = fut.result(timeout=60).outputs
+            assert len(outs) == 3
+            for out in outs:
+                ref = trainer_logprobs(hf_model, prompt + out.output_ids)[len(prompt) - 1 :]
+                assert len(out.output_ids) == 12
+                assert max(abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)) < 1e-4
+        assert prefills == [4]  # one packed prefill of the 4 prompts (12 rows)
+    finally:
+        engine.shutdown()
