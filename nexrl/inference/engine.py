@@ -235,8 +235,8 @@ class Engine:
     def _step(self) -> None:
         if self.emulated_step_latency_s > 0:  # see "Emulated accelerator" in docs/async.md
             time.sleep(self.emulated_step_latency_s)
-        self._admit()
-        self._finish()  # a first token may already end a sample
+        if self._admit():
+            self._finish()  # a first token may already end a sample
         b = len(self.batch)
         if b:
             logits = self.runner.decode(self.batch.cur_tok[:b], self.batch.pos[:b])
@@ -272,8 +272,8 @@ class Engine:
             except Exception:  # a broken listener must not stop the batch
                 logger.exception("streaming callback of request %s failed", pending.request.rid)
 
-    def _admit(self) -> None:
-        """Prefill waiting requests that fit (slots and prefill token budget)."""
+    def _admit(self) -> bool:
+        """Prefill waiting requests that fit (slots and prefill token budget); True if any."""
         chosen: list[Pending] = []
         slots, longest = self.batch.free, 0
         while self._waiting:
@@ -290,6 +290,7 @@ class Engine:
             slots, longest = slots - n, width
         if chosen:
             self._prefill(chosen, longest)
+        return bool(chosen)
 
     def _prefill(self, chosen: list[Pending], width: int) -> None:
         tokens = torch.zeros(len(chosen), width, dtype=torch.long)
@@ -313,8 +314,7 @@ class Engine:
         finished = self.batch.finished_rows()
         if not finished:
             return
-        for j in finished:
-            row, output = self.batch.take_output(j, self.tokenizer)
+        for row, output in self.batch.take_outputs(finished, self.tokenizer):
             row.pending.finish_sample(row.index, output)
             if row.pending.left == 0:
                 _resolve(row.pending)

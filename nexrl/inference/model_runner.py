@@ -5,18 +5,23 @@ their time in Python (module calls, cache objects, mask building). This runner
 reads the weights of the model `from_pretrained` built (so it is the same
 checkpoint, and `load_state_dict` updates reach it after `refresh()`), fuses
 q/k/v and gate/up into single matmuls, and runs one forward for the whole
-running batch with a preallocated cache.
+running batch with a preallocated cache. Linears go through `kernels.linear_for`
+(oneDNN for large products on a CPU).
 
 Cache layout: one tensor per layer for K and V, `(slots, kv_heads, max_len,
 head_dim)`. A running sequence owns one slot (one row); the scheduler keeps
 the running rows dense at `[0, B)` by moving rows when sequences finish
-(`move_rows`), so a decode step attends over the view `[:B, :, :L]`.
-Prefix sharing: the `n` samples of a prompt are prefilled once and the prompt
-KV is copied into their `n` rows.
+(`move_rows`).
 
-Attention of a decode step folds the GQA group into the query axis and runs
-two strided batched matmuls straight on the cache (no K/V repeat, no copy);
-it beat SDPA's CPU kernel for one-token queries in our measurements.
+Prefill packs the prompts: linears run on the real tokens only, attention on
+the padded (prompts, longest) grid, and the last layer on each prompt's last
+token only. Prefix sharing: the `n` samples of a prompt are prefilled once and
+the prompt KV is copied into their `n` rows.
+
+Decode attention: the native kernel (`native.py`) when it is available, which
+appends the step's K/V and attends over each row's own positions in one call;
+otherwise two strided batched matmuls straight on the cache with the GQA group
+folded into the query axis, masked to each row's positions.
 """
 
 from __future__ import annotations
@@ -257,20 +262,20 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One step for rows [0, B): tokens (B,) at positions pos (B,); returns logits (B, V)."""
         b, kv, d = tokens.shape[0], self.n_kv, self.head_dim
-        # flat cache index of (row, kv head, pos) for index_copy_, shared by all layers
-        flat = (self._row_base[:b] + pos[:, None]).flatten()
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
-        span = 0 if self.native_attention else int(pos.max()) + 1  # torch path: keys attended
-        bias = None if self.native_attention else self._decode_bias(pos, span)
+        if self.native_attention is None:  # torch path: cache index, keys attended, mask
+            flat = (self._row_base[:b] + pos[:, None]).flatten()
+            span = int(pos.max()) + 1
+            bias = self._decode_bias(pos, span)
         x = F.embedding(tokens, self.embed)  # (B, H)
         for i, layer in enumerate(self.layers):
             q, k, v = self._decode_qkv(layer, _rms(x, layer.ln1, self.eps), cos, sin)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.view(-1, d).index_copy_(0, flat, k.reshape(b * kv, d))
-            vc.view(-1, d).index_copy_(0, flat, v.reshape(b * kv, d))
-            if self.native_attention is not None:
-                att = self.native_attention(q, kc, vc, pos, b)
+            if self.native_attention is not None:  # appends k, v to the cache itself
+                att = self.native_attention(q, k, v, kc, vc, pos)
             else:
+                kc.view(-1, d).index_copy_(0, flat, k.reshape(b * kv, d))
+                vc.view(-1, d).index_copy_(0, flat, v.reshape(b * kv, d))
                 att = self._decode_attention(q, kc, vc, bias, b, span)
             x = x + self.linear(att.reshape(b, -1), layer.o_w, layer.o_b)
             x = self._mlp(layer, x)

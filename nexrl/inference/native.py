@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC")
 
-# (q, kc, vc, pos, rows) -> out (rows, heads, head_dim)
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (q, k_new, v_new, kc, vc, pos) -> out (rows, heads, head_dim); appends k_new, v_new at pos
+AttentionFn = Callable[..., torch.Tensor]
 
 
 def enabled() -> bool:
@@ -83,14 +83,17 @@ def _build(head_dim: int) -> Path | None:
 def _bind(path: Path) -> Callable[..., None]:
     fn = ctypes.CDLL(str(path)).decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr]
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    fn.argtypes += [ctypes.c_float, ptr]
     fn.restype = None
     return fn
 
 
-def reference_attention(q, kc, vc, pos, rows: int) -> torch.Tensor:
-    """The same attention in torch (masked softmax over each row's first pos + 1 keys)."""
-    heads, kv, max_len, d = q.shape[1], kc.shape[1], kc.shape[2], q.shape[2]
+def reference_attention(q, k_new, v_new, kc, vc, pos) -> torch.Tensor:
+    """The same step in torch: append at pos, masked softmax over each row's pos + 1 keys."""
+    rows, heads, kv, max_len, d = q.shape[0], q.shape[1], kc.shape[1], kc.shape[2], q.shape[2]
+    kc[torch.arange(rows), :, pos] = k_new
+    vc[torch.arange(rows), :, pos] = v_new
     k = kc[:rows].repeat_interleave(heads // kv, dim=1)  # (rows, heads, max_len, d)
     v = vc[:rows].repeat_interleave(heads // kv, dim=1)
     scores = torch.einsum("bhd,bhld->bhl", q, k) * d**-0.5
@@ -110,14 +113,14 @@ def decode_attention(head_dim: int, max_len: int) -> AttentionFn | None:
     fn = _bind(path)
     scale = head_dim**-0.5
 
-    def attend(q, kc, vc, pos, rows: int) -> torch.Tensor:
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        heads, kv = q.shape[1], kc.shape[1]
+    def attend(q, k_new, v_new, kc, vc, pos) -> torch.Tensor:
+        q, k_new, v_new = (_rows_of_heads(t, head_dim) for t in (q, k_new, v_new))
+        (rows, heads, _), kv = q.shape, kc.shape[1]
         out = torch.empty(rows, heads, head_dim)
         scratch = torch.empty(kc.shape[2])
-        fn(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(),
-           out.data_ptr(), rows, heads, kv, kc.shape[2], scale, scratch.data_ptr())  # fmt: skip
+        fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(),
+           v_new.stride(0), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), out.data_ptr(), rows,
+           heads, kv, kc.shape[2], scale, scratch.data_ptr())  # fmt: skip
         return out
 
     if not _self_check(attend, head_dim, max_len):
@@ -126,11 +129,17 @@ def decode_attention(head_dim: int, max_len: int) -> AttentionFn | None:
     return attend
 
 
+def _rows_of_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(rows, heads, head_dim) with heads packed (any row stride), as the kernel reads it."""
+    return t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
+
+
 def _self_check(attend: AttentionFn, head_dim: int, max_len: int) -> bool:
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, head_dim, generator=gen)
+    q, k_new, v_new = (torch.randn(3, n, head_dim, generator=gen) for n in (4, 2, 2))
     kc = torch.randn(5, 2, max_len, head_dim, generator=gen)
     vc = torch.randn(5, 2, max_len, head_dim, generator=gen)
     pos = torch.tensor([0, max_len // 2, max_len - 1])
-    got, want = attend(q, kc, vc, pos, 3), reference_attention(q, kc, vc, pos, 3)
+    want = reference_attention(q, k_new, v_new, kc.clone(), vc.clone(), pos)
+    got = attend(q, k_new, v_new, kc, vc, pos)
     return torch.allclose(got, want, atol=1e-5, rtol=1e-4)

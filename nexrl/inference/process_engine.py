@@ -5,8 +5,8 @@ In the server process the asyncio loop also wants the GIL (parsing requests,
 writing responses); measured with a busy Python thread beside it, the engine
 ran ~10x slower. vLLM splits its API server and engine core into processes for
 the same reason. Here the HTTP process keeps only the tokenizer and talks to
-the engine process over a `multiprocessing` pipe with JSON messages (no pickle
-of request data):
+the engine process over a `multiprocessing` pipe with JSON messages (orjson; no
+pickle of request data):
 
     parent -> child  {"id", "op": "generate" | "update_weights" | "pause" | "resume" |
                       "abort" | "stats" | "shutdown", ...}
@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import multiprocessing as mp
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from nexrl.inference.protocol import (
     GenerationOutput,
@@ -61,7 +63,7 @@ class ProcessEngine:
         )
         self._proc.start()
         child.close()
-        info = json.loads(self._conn.recv_bytes())
+        info = orjson.loads(self._conn.recv_bytes())
         if "error" in info:
             raise RuntimeError(f"engine process failed to start: {info['error']}")
         self.model_path = str(model_path)
@@ -69,7 +71,7 @@ class ProcessEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._version = 0
         self._ids = itertools.count()
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, tuple[Future, Callable[[Any], Any] | None]] = {}
         self._streams: dict[int, TokenCallback] = {}
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="nexrl-engine-ipc", daemon=True)
@@ -83,14 +85,21 @@ class ProcessEngine:
     def stats(self) -> dict[str, int]:
         return self._call("stats")
 
-    def _send(self, op: str, on_token: TokenCallback | None = None, **body: Any) -> Future:
+    def _send(
+        self,
+        op: str,
+        on_token: TokenCallback | None = None,
+        convert: Callable[[Any], Any] | None = None,
+        **body: Any,
+    ) -> Future:
+        """Send one message; the future resolves to its result (passed through `convert`)."""
         future: Future = Future()
         msg_id = next(self._ids)
-        self._futures[msg_id] = future
+        self._futures[msg_id] = (future, convert)
         if on_token is not None:
             self._streams[msg_id] = on_token
         with self._send_lock:
-            self._conn.send_bytes(json.dumps({"id": msg_id, "op": op, **body}).encode())
+            self._conn.send_bytes(orjson.dumps({"id": msg_id, "op": op, **body}))
         return future
 
     def _call(self, op: str, **body: Any) -> Any:
@@ -99,39 +108,31 @@ class ProcessEngine:
     def _read(self) -> None:
         while True:
             try:
-                msg = json.loads(self._conn.recv_bytes())
+                msg = orjson.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
             if "token" in msg:
                 self._streams[msg["id"]](*msg["token"])
                 continue
             self._streams.pop(msg["id"], None)
-            future = self._futures.pop(msg["id"])
+            future, convert = self._futures.pop(msg["id"])
             if "error" in msg:
                 err = msg["error"]
                 future.set_exception(_ERRORS.get(err["type"], RuntimeError)(err["message"]))
             else:
-                future.set_result(msg["result"])
-        for future in self._futures.values():
+                future.set_result(msg["result"] if convert is None else convert(msg["result"]))
+        for future, _ in self._futures.values():
             future.set_exception(RuntimeError("engine process exited"))
 
     def submit(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> Future:
         """As `Engine.submit`; `on_token` runs on this process's pipe-reader thread."""
-        raw = self._send(
-            "generate", on_token, request=_request_dict(request), stream=on_token is not None
+        return self._send(
+            "generate",
+            on_token,
+            _response,
+            request=_request_dict(request),
+            stream=on_token is not None,
         )
-        out: Future = Future()
-
-        def convert(f: Future) -> None:
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-            r = f.result()
-            outputs = [GenerationOutput(**o) for o in r["outputs"]]
-            out.set_result(GenerationResponse(r["input_ids"], outputs, r["rid"]))
-
-        raw.add_done_callback(convert)
-        return out
 
     def generate(self, request: GenerationRequest) -> GenerationResponse:
         return self.submit(request).result()
@@ -188,21 +189,15 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
     try:
         engine = build_engine(model_path, **options)
     except Exception as exc:  # reported to the parent, which raises
-        conn.send_bytes(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        conn.send_bytes(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return
-    conn.send_bytes(
-        json.dumps(
-            {
-                "max_model_len": engine.max_model_len,
-                "max_batch_size": getattr(engine, "max_batch_size", 1),
-            }
-        ).encode()
-    )
+    info = {"max_model_len": engine.max_model_len}
+    conn.send_bytes(orjson.dumps({**info, "max_batch_size": getattr(engine, "max_batch_size", 1)}))
     lock = threading.Lock()
 
     def send(body: dict[str, Any]) -> None:
         with lock:
-            conn.send_bytes(json.dumps(body).encode())
+            conn.send_bytes(orjson.dumps(body))
 
     def reply(msg_id: int, result: Any = None, exc: BaseException | None = None) -> None:
         if exc is not None:
@@ -212,7 +207,7 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
 
     while True:
         try:
-            msg = json.loads(conn.recv_bytes())
+            msg = orjson.loads(conn.recv_bytes())
         except (EOFError, OSError):  # parent gone
             engine.shutdown()
             return
@@ -271,6 +266,11 @@ def _reply_future(future: Future, msg_id: int, reply) -> None:
         for o in resp.outputs
     ]  # plain dicts: dataclasses.asdict deep-copies every list element
     reply(msg_id, {"input_ids": resp.input_ids, "outputs": outputs, "rid": resp.rid})
+
+
+def _response(r: dict[str, Any]) -> GenerationResponse:
+    outputs = [GenerationOutput(**o) for o in r["outputs"]]
+    return GenerationResponse(r["input_ids"], outputs, r["rid"])
 
 
 def _request_dict(request: GenerationRequest) -> dict[str, Any]:

@@ -175,25 +175,26 @@ class RunningBatch:
         ids = self.out_tok[j, : int(self.n_gen[j])].tolist()
         return self.rows[j].pending.checker.find(ids) >= 0
 
-    def take_output(self, j: int, tokenizer) -> tuple[Row, GenerationOutput]:
-        row, n = self.rows[j], int(self.n_gen[j])
-        ids = self.out_tok[j, :n].tolist()
-        params = row.pending.request.sampling
-        if bool(self.abort[j]):
-            reason = "abort"
-        elif n and (ids[-1] in row.pending.stop_ids or row.pending.checker.find(ids) >= 0):
-            reason = "stop"
-        else:
-            reason = "length"
-        out = make_output(
-            tokenizer,
-            ids,
-            self.out_lp[j, :n].tolist(),
-            self.out_ver[j, :n].tolist(),
-            reason,
-            params.stop,
-        )
-        return row, out
+    def take_outputs(self, rows: list[int], tokenizer) -> list[tuple[Row, GenerationOutput]]:
+        """The finished samples of `rows`, read from the batch tensors in one gather each."""
+        index = torch.tensor(rows)
+        lengths = self.n_gen[index].tolist()
+        tokens, lps = self.out_tok[index].tolist(), self.out_lp[index].tolist()
+        versions, aborted = self.out_ver[index].tolist(), self.abort[index].tolist()
+        taken = []
+        for k, j in enumerate(rows):
+            row, n = self.rows[j], lengths[k]
+            ids = tokens[k][:n]
+            if aborted[k]:
+                reason = "abort"
+            elif n and (ids[-1] in row.pending.stop_ids or row.pending.checker.find(ids) >= 0):
+                reason = "stop"
+            else:
+                reason = "length"
+            stop = row.pending.request.sampling.stop
+            out = make_output(tokenizer, ids, lps[k][:n], versions[k][:n], reason, stop)
+            taken.append((row, out))
+        return taken
 
     def compact(self, finished: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Drop `finished` rows, moving the last live rows into the holes. Returns (src, dst)."""

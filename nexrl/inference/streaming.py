@@ -15,10 +15,11 @@ and `data: [DONE]`. A client that disconnects aborts its request.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
+
+import orjson
 
 from nexrl.inference.protocol import GenerationRequest, GenerationResponse
 
@@ -123,4 +124,4 @@ async def sse(
 
 
 def _data(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {orjson.dumps(body).decode()}\n\n"

@@ -2,6 +2,8 @@
  *
  * Layouts (fp32, contiguous unless a stride is given):
  *   q      (rows, heads, HEAD_DIM), rows `q_row_stride` floats apart
+ *   k_new, v_new (rows, kv_heads, HEAD_DIM), rows `k_row_stride` / `v_row_stride` apart: the
+ *          step's keys and values, appended to the cache at pos before attending
  *   k, v   (slots, kv_heads, max_len, HEAD_DIM); row b uses slot b
  *   pos    (rows,) the last position row b attends to (inclusive)
  *   out    (rows, heads, HEAD_DIM)
@@ -51,12 +53,23 @@ static void attend_one(const float *restrict qh, const float *restrict keys,
   for (int d = 0; d < HEAD_DIM; ++d) o[d] = acc[d] * inv;
 }
 
-void decode_attention(const float *restrict q, int64_t q_row_stride, const float *restrict k,
-                      const float *restrict v, const int64_t *restrict pos, float *restrict out,
+static void append(const float *restrict src, float *restrict cache_row) {
+  for (int d = 0; d < HEAD_DIM; ++d) cache_row[d] = src[d];
+}
+
+void decode_attention(const float *restrict q, int64_t q_row_stride,
+                      const float *restrict k_new, int64_t k_row_stride,
+                      const float *restrict v_new, int64_t v_row_stride, float *restrict k,
+                      float *restrict v, const int64_t *restrict pos, float *restrict out,
                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t max_len,
                       float scale, float *restrict scores) {
   const int64_t group = heads / kv_heads;
   for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      const int64_t at = ((b * kv_heads + kh) * max_len + pos[b]) * HEAD_DIM;
+      append(k_new + b * k_row_stride + kh * HEAD_DIM, k + at);
+      append(v_new + b * v_row_stride + kh * HEAD_DIM, v + at);
+    }
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t cache_row = (b * kv_heads + h / group) * max_len * HEAD_DIM;
       attend_one(q + b * q_row_stride + h * HEAD_DIM, k + cache_row, v + cache_row, pos[b] + 1,

@@ -51,15 +51,18 @@ def test_native_attention_matches_reference(heads, kv_heads, head_dim):
     kc = torch.randn(8, kv_heads, 40, head_dim, generator=gen)
     vc = torch.randn(8, kv_heads, 40, head_dim, generator=gen)
     pos = torch.tensor([0, 3, 39, 17, 1, 25])
-    # q as the decode step hands it over: a strided slice of the fused q/k projection
-    qk = torch.randn(rows, heads + kv_heads, head_dim, generator=gen)
-    q = qk[:, :heads]
-    want = native.reference_attention(q, kc, vc, pos, rows)
-    torch.testing.assert_close(attend(q, kc, vc, pos, rows), want, atol=1e-5, rtol=1e-4)
+    # q, k, v as the decode step hands them over: strided slices of the fused projection
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = native.reference_attention(q, k, v, want_kc, want_vc, pos)
     for b, p in enumerate(pos.tolist()):  # keys and values past a row's position are never read
         kc[b, :, p + 1 :] = float("nan")
         vc[b, :, p + 1 :] = float("nan")
-    torch.testing.assert_close(attend(q, kc, vc, pos, rows), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(attend(q, k, v, kc, vc, pos), want, atol=1e-5, rtol=1e-4)
+    for b, p in enumerate(pos.tolist()):  # the step's k and v were appended at pos
+        torch.testing.assert_close(kc[b, :, : p + 1], want_kc[b, :, : p + 1])
+        torch.testing.assert_close(vc[b, :, : p + 1], want_vc[b, :, : p + 1])
 
 
 @needs_cc
