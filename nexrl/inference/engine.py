@@ -307,7 +307,9 @@ class Engine:
         dst = torch.arange(start, start + len(rows))
         logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst)  # (R, V)
         idx = self.batch.add_rows(rows, plens)
-        self._sample_and_record(idx, logits.index_select(0, torch.tensor(src)))
+        self._sample_and_record(
+            idx, logits.index_select(0, torch.tensor(src, device=logits.device))
+        )
         self.stats["requests"] += len(chosen)
 
     def _finish(self) -> None:

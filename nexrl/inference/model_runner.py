@@ -26,7 +26,7 @@ folded into the query axis, masked to each row's positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,9 @@ class _Plan:
             cache_to=((dst[j][:, None] * n_kv + heads) * max_len + cache_pos[:, None]).flatten(),
         )
 
+    def to(self, device: torch.device) -> _Plan:
+        return _Plan(*(getattr(self, f.name).to(device) for f in fields(self)))
+
     def pad(self, t: torch.Tensor, r: int, p: int) -> torch.Tensor:
         """Packed (T, heads, D) -> zero-padded (R, heads, P, D)."""
         out = t.new_zeros(r * p, *t.shape[1:]).index_copy_(0, self.grid, t)
@@ -106,7 +109,8 @@ class _Plan:
 
     def key_mask(self, r: int, p: int) -> torch.Tensor:
         """(R, 1, 1, P) True on each prompt's real positions."""
-        return (torch.arange(p)[None] < self.lengths[:, None]).view(r, 1, 1, p)
+        keys = torch.arange(p, device=self.lengths.device)
+        return (keys[None] < self.lengths[:, None]).view(r, 1, 1, p)
 
 
 def _layer(block: torch.nn.Module) -> _Layer:
@@ -230,7 +234,8 @@ class ModelRunner:
         only, so its attention, o-projection and MLP run on R rows.
         """
         r, p = tokens.shape
-        plan = _Plan.build(lengths, src, dst, p, self.n_kv, self.max_len)
+        plan = _Plan.build(lengths, src, dst, p, self.n_kv, self.max_len).to(self.device)
+        tokens = tokens.to(self.device)
         cos, sin = self.cos[plan.pos][:, None], self.sin[plan.pos][:, None]  # (T, 1, D)
         x = F.embedding(tokens.reshape(-1)[plan.grid], self.embed)  # (T, H)
         last_layer = len(self.layers) - 1
@@ -284,7 +289,7 @@ class ModelRunner:
     def _decode_bias(self, pos: torch.Tensor, span: int) -> torch.Tensor:
         """(B, 1, span) additive mask of the torch attention path: -1e30 past each row's pos."""
         hidden = torch.arange(span, device=pos.device)[None] > pos[:, None]
-        return torch.zeros(pos.shape[0], 1, span, dtype=self.dtype).masked_fill_(
+        return torch.zeros(pos.shape[0], 1, span, dtype=self.dtype, device=pos.device).masked_fill_(
             hidden[:, None], -1e30
         )
 

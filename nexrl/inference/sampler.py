@@ -58,7 +58,7 @@ def sample_next(
         scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V) reported distribution
     filtered = _truncate(logp, top_p, top_k) if kinds.truncated else logp
-    noise = _gumbel_noise(logp.shape, generators or {}, default_generator)  # (B, V)
+    noise = _gumbel_noise(logp.shape, generators or {}, default_generator).to(logp.device)
     tokens = (filtered + noise).argmax(dim=-1)  # Gumbel-max == multinomial
     if kinds.greedy:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
@@ -90,7 +90,8 @@ def _gumbel_noise(
     generators: Mapping[int, torch.Generator],
     default_generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """-log(-log(U)); U from `torch.rand` (several times faster than `exponential_` on CPU)."""
+    """-log(-log(U)) on the CPU, where the generators live (so a seed means the same on any
+    device); U from `torch.rand` (several times faster than `exponential_` on CPU)."""
     u = torch.rand(shape, generator=default_generator)
     for row, gen in generators.items():
         u[row] = torch.rand(shape[-1], generator=gen)

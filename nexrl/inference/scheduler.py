@@ -113,8 +113,9 @@ class RunningBatch:
         idx = slice(start, start + len(rows))
         width = max(len(r.pending.stop_ids) for r in rows)
         if width > self.stop_ids.shape[1]:
-            pad = torch.full((self.max_slots, width - self.stop_ids.shape[1]), -1, dtype=torch.long)
-            self.stop_ids = torch.cat([self.stop_ids, pad.to(self.stop_ids.device)], dim=1)
+            extra = width - self.stop_ids.shape[1]
+            pad = torch.full((self.max_slots, extra), -1, dtype=torch.long, device=self.pos.device)
+            self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
         for i, (row, plen) in enumerate(zip(rows, prompt_lens, strict=True)):
             p, j = row.pending.request.sampling, start + i
             self.max_gen[j] = min(p.max_new_tokens, self.max_len - plen)
@@ -177,7 +178,7 @@ class RunningBatch:
 
     def take_outputs(self, rows: list[int], tokenizer) -> list[tuple[Row, GenerationOutput]]:
         """The finished samples of `rows`, read from the batch tensors in one gather each."""
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=self.n_gen.device)
         lengths = self.n_gen[index].tolist()
         tokens, lps = self.out_tok[index].tolist(), self.out_lp[index].tolist()
         versions, aborted = self.out_ver[index].tolist(), self.abort[index].tolist()
@@ -204,8 +205,8 @@ class RunningBatch:
         self._count([self.rows[j] for j in gone], -1)
         holes = [j for j in sorted(gone) if j < keep_n]
         movers = [j for j in range(keep_n, b) if j not in gone]
-        src = torch.tensor(movers, dtype=torch.long)
-        dst = torch.tensor(holes, dtype=torch.long)
+        src = torch.tensor(movers, dtype=torch.long, device=self.pos.device)
+        dst = torch.tensor(holes, dtype=torch.long, device=self.pos.device)
         if holes:
             for t in self._per_row():
                 t[dst] = t[src]
