@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument(
+        "--emulated-step-latency",
+        type=float,
+        default=0.0,
+        help="seconds of sleep per engine step, to behave like an accelerator (docs/async.md)",
+    )
+    p.add_argument(
         "--in-process",
         action="store_true",
         help="run the builtin engine in the HTTP process (default: its own process)",
@@ -55,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "device": args.device,
     }
+    if args.emulated_step_latency:
+        options["emulated_step_latency_s"] = args.emulated_step_latency
     if args.backend == "builtin" and not args.in_process:
         from nexrl.inference.process_engine import ProcessEngine
 

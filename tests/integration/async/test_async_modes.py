@@ -1,12 +1,15 @@
 """Each sync mode end to end on the tiny model: bound kept, versions logged, ledger closed."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from nexrl.controller import NexRLController
 from nexrl.distributed import execute
+from nexrl.training.parallel import free_port
+from tests.servers import spawn
 
 MODES = {
     "sync": [],
@@ -102,3 +105,32 @@ def check_run(controller, mode):
     assert counters["tasks_in/train"] == trained + dropped + failed + queued_tasks(
         controller.system
     ), counters
+
+
+@pytest.mark.slow
+def test_inflight_updates_through_a_served_engine(async_config, tiny_model_path):
+    """The same in-flight run against `nexrl serve` in its own process: pushes go through
+    /update_weights_from_disk and still land between two decode steps of running requests."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "nexrl.cli", "serve", "--model", tiny_model_path]
+    cmd += ["--port", str(port), "--max-batch", "32", "--emulated-step-latency", "0.01"]
+    server = spawn(cmd, url)
+    try:
+        extra = [
+            *MODES["fully-async-inflight"],
+            "rollout_worker.max_tokens=16",
+            "service.inference_service.backend=remote",
+            f"service.inference_service.url={url}",
+        ]
+        controller = NexRLController(async_config(*extra))
+        controller.run()
+    finally:
+        server.terminate()
+        server.wait(30)
+    check_run(controller, "fully-async-inflight")
+    counters = controller.activity_tracker.get_counters()
+    assert counters.get("rollout/aborted_groups", 0) == 0
+    lines = train_lines(controller.run_dir)
+    assert any(x["rollout/multi_version_frac"] > 0 for x in lines)
+    assert lines[-1]["rollout/serving_version"] >= 3  # every push reached the server

@@ -8,8 +8,7 @@ import pytest
 
 from nexrl.controller import NexRLController
 from nexrl.training.parallel import free_port
-
-from .conftest import spawn
+from tests.servers import spawn
 
 
 @pytest.mark.slow
