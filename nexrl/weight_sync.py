@@ -38,7 +38,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from nexrl.distributed import execute
@@ -62,7 +63,9 @@ class WeightSyncController(NexRLModule):
         self._validate_freq = int(config.get("validate_freq", 0))
         self._llm_client = llm_client
         self._sync_weight_path = sync_weight_path
-        self._lock = threading.RLock()
+        # A condition on the state lock: every change notifies, so a rollout worker can wait
+        # for admission (`acquire_rollout(wait_s=...)`) instead of polling with calls.
+        self._lock = threading.Condition(threading.RLock())
         self._ledgers: dict[ModelTag, AdmissionLedger] = {}
         self._blocked: dict[ModelTag, bool] = {}
         self._pushing: dict[ModelTag, bool] = {}
@@ -99,24 +102,44 @@ class WeightSyncController(NexRLModule):
             pushing = self._pushing.get(model_tag, False)
             return "block" if pushing and self._sync_mode == "fully-async" else "continue"
 
-    def acquire_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> bool:
-        """Admit one rollout group (True) or not yet (False: ask again later)."""
+    def acquire_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, wait_s: float = 0.0) -> bool:
+        """Admit one rollout group (True) or not yet (False: ask again later).
+
+        With `wait_s` > 0 it waits up to that long for admission, woken by every state
+        change: in Ray mode a refused worker then makes a few calls a second, not hundreds.
+        """
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            if self._pushing.get(model_tag, False) or self._blocked.get(model_tag, False):
-                return False
-            if not self._ledger(model_tag).acquire():
-                return False
-            self._generating[model_tag] = self._generating.get(model_tag, 0) + 1
+            while not self._try_acquire(model_tag):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._validating:  # validation tasks need no admission
+                    return False
+                self._lock.wait(left)
             return True
+
+    def _try_acquire(self, model_tag: ModelTag) -> bool:
+        if self._pushing.get(model_tag, False) or self._blocked.get(model_tag, False):
+            return False
+        if not self._ledger(model_tag).acquire():
+            return False
+        self._generating[model_tag] = self._generating.get(model_tag, 0) + 1
+        return True
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The state lock, for a change that may admit waiting rollouts: wakes them after."""
+        with self._lock:
+            yield
+            self._lock.notify_all()
 
     def finish_generation(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
         """The admitted group no longer talks to the engine (pairs with `acquire_rollout`)."""
-        with self._lock:
+        with self._changing():
             self._generating[model_tag] = max(0, self._generating.get(model_tag, 0) - 1)
 
     def release_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, reason: str = "") -> None:
         """An admitted group will never land in a batch; `reason` is counted if given."""
-        with self._lock:
+        with self._changing():
             self._ledger(model_tag).release()
         if reason:
             self._count(f"rollout/released/{reason}")
@@ -127,12 +150,12 @@ class WeightSyncController(NexRLModule):
 
     def set_rollout_model_version(self, model_tag: ModelTag, version: int) -> None:
         """Used on resume: the inference side already serves `version`."""
-        with self._lock:
+        with self._changing():
             self._ledger(model_tag).set_version(version)
 
     def set_train_step(self, model_tag: ModelTag, step: int) -> None:
         """Used on resume: `step` batches were trained before this run."""
-        with self._lock:
+        with self._changing():
             self._trained[model_tag] = step
             self._ledger(model_tag).formed = step
 
@@ -185,7 +208,7 @@ class WeightSyncController(NexRLModule):
 
     def notify_batch_formed(self, model_tag: ModelTag, n_groups: int) -> int:
         """The pool cut the next batch from `n_groups` admitted groups; returns its index."""
-        with self._lock:
+        with self._changing():
             return self._ledger(model_tag).batch_formed(n_groups)
 
     # -- train side -------------------------------------------------------------
@@ -239,11 +262,11 @@ class WeightSyncController(NexRLModule):
                 finally:
                     self._llm_client.resume()
         finally:
-            with self._lock:
+            with self._changing():
                 self._pushing[model_tag] = False
 
     def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
-        with self._lock:
+        with self._changing():
             led = self._ledger(model_tag)
             version = max(led.version + 1, self._trained.get(model_tag, 0))
             led.set_version(version)
@@ -252,7 +275,7 @@ class WeightSyncController(NexRLModule):
         logger.debug("pushed weights v%d for %s", version, model_tag)
 
     def _unblock(self, model_tag: ModelTag) -> None:
-        with self._lock:
+        with self._changing():
             self._blocked[model_tag] = False
         if self._sync_mode == "sync":
             execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
@@ -263,11 +286,11 @@ class WeightSyncController(NexRLModule):
             return self._waiting_for_validation
 
     def start_validate(self, model_tag: ModelTag) -> None:
-        with self._lock:
+        with self._changing():
             self._validating = True
 
     def end_validate(self, model_tag: ModelTag) -> None:
-        with self._lock:
+        with self._changing():
             self._validating = False
             was_waiting = self._waiting_for_validation
             self._waiting_for_validation = False

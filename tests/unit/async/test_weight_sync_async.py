@@ -139,3 +139,35 @@ def test_stale_group_is_dropped_and_its_task_served_first():
     assert batch.metadata["batch_index"] == 1 and batch.metadata["staleness_dropped"] == 1
     assert loader.get_next_item()["uid"] == late["uid"]  # re-queued at the front
     assert tracker.get_counters()["staleness/dropped"] == 1
+
+
+def test_a_waiting_acquire_is_woken_by_the_change_that_admits_it():
+    wsc, pool, loader, client, _ = make(mode="sync", k=5)
+    assert [wsc.acquire_rollout("default") for _ in range(2)] == [True, True]
+    start = time.monotonic()
+    assert not wsc.acquire_rollout("default", wait_s=0.1)  # nothing changes: refused on time
+    assert 0.1 <= time.monotonic() - start < 2
+    for _ in range(2):
+        pool.put_trajectory_group(group(loader.get_next_item(), 0))
+    pool.get_batch()
+    admitted = []
+    waiter = threading.Thread(target=lambda: admitted.append(wsc.acquire_rollout("default", 30)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not admitted  # batch 0 trains: the worker waits
+    start = time.monotonic()
+    wsc.train_worker_notify_weight_update("train_worker_0", "default")  # push: admits again
+    waiter.join(5)
+    assert admitted == [True] and time.monotonic() - start < 5
+
+
+def test_a_waiting_acquire_gives_way_to_validation():
+    wsc, *_ = make(mode="sync", k=5)
+    assert [wsc.acquire_rollout("default") for _ in range(2)] == [True, True]
+    refused = []
+    waiter = threading.Thread(target=lambda: refused.append(wsc.acquire_rollout("default", 30)))
+    waiter.start()
+    time.sleep(0.1)
+    wsc.start_validate("default")
+    waiter.join(5)
+    assert refused == [False]  # the worker goes back to its loop and runs validation tasks
