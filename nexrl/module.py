@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a module loop's blocking get (admission, a batch) waits for its event before
+# the loop asks again: in Ray mode every ask is an actor call, so an idle loop makes
+# ~20 of them a second instead of one per `LoopThread` idle sleep (5 ms).
+BLOCKING_GET_WAIT_S = 0.05
+
 
 class NexRLModule:
     """Common surface of all modules: name, activity tracker, health check."""

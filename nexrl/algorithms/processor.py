@@ -19,7 +19,7 @@ from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from nexrl.algorithms.dapo import mask_truncated, overlong_penalty
 from nexrl.algorithms.kl import apply_kl_penalty
 from nexrl.distributed import execute
-from nexrl.module import LoopModule, LoopThread
+from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class BaseAlgorithmProcessor(LoopModule):
         return True
 
     def _get_batch(self, batch_size: int | None = None) -> Batch | None:
-        return execute(self._trajectory_pool.get_batch, batch_size)
+        return execute(self._trajectory_pool.get_batch, batch_size, wait_s=BLOCKING_GET_WAIT_S)
 
     def _put_batch(self, batch: Batch, update_fn: str) -> bool:
         return execute(self._train_batch_pool.put_batch, batch, update_fn)

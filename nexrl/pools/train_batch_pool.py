@@ -27,7 +27,7 @@ class TrainBatchPool(NexRLModule):
         max_size = config.get("max_size", None)
         self._max_size = None if max_size is None else int(max_size)
         self._queues: dict[ModelTag, deque[Batch]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # put_batch notifies waiting get_batch calls
 
     def put_batch(self, batch: Batch, update_fn: str = "default") -> bool:
         """Queue `batch` under `batch.metadata["model_tag"]`; False if that queue is full."""
@@ -38,16 +38,23 @@ class TrainBatchPool(NexRLModule):
                 return False
             batch.metadata["update_fn"] = update_fn
             queue.append(batch)
+            self._lock.notify_all()
             return True
 
-    def get_batch(self, model: ModelTag | None = DEFAULT_MODEL_TAG) -> Batch | None:
-        """The oldest batch of `model` (None: of any model), or None if there is none."""
+    def get_batch(
+        self, model: ModelTag | None = DEFAULT_MODEL_TAG, wait_s: float = 0.0
+    ) -> Batch | None:
+        """The oldest batch of `model` (None: of any model), or None if there is none
+        (after waiting up to `wait_s` seconds for one to be put)."""
         with self._lock:
-            if model is None:
-                queue = next((q for q in self._queues.values() if q), None)
-            else:
-                queue = self._queues.get(model)
+            queue = self._lock.wait_for(lambda: self._queue_of(model), timeout=wait_s)
             return queue.popleft() if queue else None
+
+    def _queue_of(self, model: ModelTag | None) -> deque[Batch] | None:
+        """A non-empty queue of `model` (None: of any model), or None."""
+        if model is None:
+            return next((q for q in self._queues.values() if q), None)
+        return self._queues.get(model) or None
 
     def is_empty(self) -> bool:
         with self._lock:

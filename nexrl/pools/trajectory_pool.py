@@ -287,6 +287,8 @@ class TrajectoryPool(NexRLModule):
             )
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
+        self._arrivals = 0  # accepted puts so far; a waiting get_batch wakes on a change
+        self._arrived = threading.Condition()
         self._lock_all = False  # a tag-less weight-sync lock also gates tags not seen yet
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
@@ -332,7 +334,7 @@ class TrajectoryPool(NexRLModule):
     def put_trajectory(self, trajectory: Trajectory) -> str:
         """ "success", "fail" (rejected, reported) or "re-rollout" (weight sync in progress)."""
         tag = trajectory.get("model_tag") or DEFAULT_MODEL_TAG
-        return self._instance(tag).put_trajectory(trajectory)
+        return self._arrival(self._instance(tag).put_trajectory(trajectory))
 
     def put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
         """Put a whole group atomically (all accepted or none); same results as `put_trajectory`."""
@@ -343,13 +345,35 @@ class TrajectoryPool(NexRLModule):
             reason = f"one group has several model tags {sorted(tags)}"
             self._instance(sorted(tags)[0]).report_rejected(reason, len(trajectories))
             return "fail"
-        return self._instance(tags.pop()).put_trajectory_group(trajectories)
+        return self._arrival(self._instance(tags.pop()).put_trajectory_group(trajectories))
+
+    def _arrival(self, result: str) -> str:
+        """Wake waiting `get_batch` calls after an accepted put; passes `result` through."""
+        if result == "success":
+            with self._arrived:
+                self._arrivals += 1
+                self._arrived.notify_all()
+        return result
 
     # ---- gets ---------------------------------------------------------------
     def get_batch(
-        self, batch_size: int | None = None, model_tag: ModelTag | None = None
+        self, batch_size: int | None = None, model_tag: ModelTag | None = None, wait_s: float = 0.0
     ) -> Batch | None:
-        """`batch_size` trajectories of whole groups from `model_tag` (None: any tag)."""
+        """`batch_size` trajectories of whole groups from `model_tag` (None: any tag).
+
+        With `wait_s` > 0 and no batch yet, waits up to that long for another group to
+        arrive and tries once more (the tail is found on that retry too).
+        """
+        with self._arrived:
+            seen = self._arrivals
+        batch = self._get_batch_now(batch_size, model_tag)
+        if batch is not None or wait_s <= 0:
+            return batch
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._arrivals != seen, timeout=wait_s)
+        return self._get_batch_now(batch_size, model_tag)
+
+    def _get_batch_now(self, batch_size: int | None, model_tag: ModelTag | None) -> Batch | None:
         if model_tag is None:
             return self.get_batch_any(batch_size)
         insts = self._selected(model_tag)

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nexrl.distributed import execute
-from nexrl.module import LoopModule, LoopThread
+from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.types import DEFAULT_MODEL_TAG, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,6 @@ VALIDATE_FLAG = "_nexrl_validate"
 RETRIES_KEY = "_nexrl_retries"
 SEEN_KEY = "_nexrl_seen"  # set once a task has been counted in tasks_in
 TASK_KEY = "_nexrl_task"  # the task a training trajectory came from (see pools)
-# How long a refused worker waits inside `acquire_rollout` (woken by any admission change)
-# before its loop asks again: one call per refusal, not one per 5 ms poll.
-ACQUIRE_WAIT_S = 0.05
 _RELEASE_REASONS = {
     "re-rollout": "re-rollout",
     "aborted": "abort",
@@ -153,7 +150,7 @@ class BaseRolloutWorker(LoopModule):
 
     def _acquire(self, tag: str) -> bool:
         wsc = self._weight_sync_controller
-        return wsc is None or bool(execute(wsc.acquire_rollout, tag, ACQUIRE_WAIT_S))
+        return wsc is None or bool(execute(wsc.acquire_rollout, tag, BLOCKING_GET_WAIT_S))
 
     def _release(self, tag: str, reason: str) -> None:
         if self._weight_sync_controller is not None:

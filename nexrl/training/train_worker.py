@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nexrl.distributed import execute
-from nexrl.module import LoopModule, LoopThread
+from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class TrainWorker(LoopModule):
         self._step = step
 
     def _get_batch(self) -> Batch | None:
-        return execute(self._train_batch_pool.get_batch, self._model_tag)
+        return execute(self._train_batch_pool.get_batch, self._model_tag, BLOCKING_GET_WAIT_S)
 
     def _loop_once(self) -> bool:
         if self._total_train_steps and self._step >= self._total_train_steps:

@@ -175,3 +175,27 @@ def test_train_batch_pool_fifo_per_model_tag() -> None:
     assert pool.get_batch("critic") is None
     assert pool.get_batch(None).values["x"] == [2]
     assert pool.is_empty()
+
+
+def test_waiting_get_batch_is_woken_by_the_group_that_completes_a_batch() -> None:
+    pool, _ = make_pool()
+    pool.put_trajectory_group(group("a", 2))
+    assert pool.get_batch(wait_s=0.05) is None  # nothing arrives: None after the wait
+    got: list[Batch | None] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.get_batch(wait_s=30)))
+    waiter.start()
+    pool.put_trajectory_group(group("b", 2))
+    waiter.join(5)
+    assert not waiter.is_alive() and got[0] is not None and len(got[0]) == 4
+
+
+def test_waiting_train_batch_pool_get_is_woken_by_put() -> None:
+    pool = TrainBatchPool()
+    assert pool.get_batch("default", wait_s=0.05) is None
+    got: list[Batch | None] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.get_batch("default", wait_s=30)))
+    waiter.start()
+    batch = Batch.from_trajectories(group("a", 2), model_tag="default", group_size=2)
+    assert pool.put_batch(batch)
+    waiter.join(5)
+    assert not waiter.is_alive() and got == [batch]
