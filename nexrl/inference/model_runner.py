@@ -185,6 +185,11 @@ class ModelRunner:
         )
         self._rope_table(max_len)
         self.refresh()
+        # RoPE at decode runs in torch unless the native kernel does it for every layer
+        # (it does when there is no q/k norm between projection and rotation)
+        self._torch_rope = self.native_attention is None or any(
+            layer.q_norm is not None for layer in self.layers
+        )
 
     @torch.inference_mode()
     def _rope_table(self, max_len: int) -> None:
@@ -193,7 +198,8 @@ class ModelRunner:
         cos, sin = self.model.model.rotary_emb(dummy, pos)  # (1, L, D) each
         half = cos.shape[-1] // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin.device)
-        self.cos, self.sin = cos[0].to(self.dtype), (sin[0] * sign).to(self.dtype)  # (L, D)
+        self.cos = cos[0].to(self.dtype).contiguous()  # (L, D)
+        self.sin = (sin[0] * sign).to(self.dtype).contiguous()
 
     @torch.inference_mode()
     def refresh(self) -> None:
@@ -267,24 +273,36 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One step for rows [0, B): tokens (B,) at positions pos (B,); returns logits (B, V)."""
         b, kv, d = tokens.shape[0], self.n_kv, self.head_dim
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
+        if self._torch_rope:
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
         if self.native_attention is None:  # torch path: cache index, keys attended, mask
             flat = (self._row_base[:b] + pos[:, None]).flatten()
             span = int(pos.max()) + 1
             bias = self._decode_bias(pos, span)
         x = F.embedding(tokens, self.embed)  # (B, H)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._decode_qkv(layer, _rms(x, layer.ln1, self.eps), cos, sin)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            if self.native_attention is not None:  # appends k, v to the cache itself
+            h = _rms(x, layer.ln1, self.eps)
+            if self.native_attention is not None and layer.q_norm is None:
+                att = self._native_step(layer, h, kc, vc, pos)  # RoPE and append in C too
+            elif self.native_attention is not None:  # appends k, v to the cache itself
+                q, k, v = self._decode_qkv(layer, h, cos, sin)
                 att = self.native_attention(q, k, v, kc, vc, pos)
             else:
+                q, k, v = self._decode_qkv(layer, h, cos, sin)
                 kc.view(-1, d).index_copy_(0, flat, k.reshape(b * kv, d))
                 vc.view(-1, d).index_copy_(0, flat, v.reshape(b * kv, d))
                 att = self._decode_attention(q, kc, vc, bias, b, span)
             x = x + self.linear(att.reshape(b, -1), layer.o_w, layer.o_b)
             x = self._mlp(layer, x)
         return self._logits(x)
+
+    def _native_step(self, layer: _Layer, h, kc, vc, pos) -> torch.Tensor:
+        """q/k/v projection, then RoPE, cache append and attention in one native call."""
+        nh, kv = self.n_heads, self.n_kv
+        qkv = self.linear(h, layer.qkv_w, layer.qkv_b).view(h.shape[0], nh + 2 * kv, -1)
+        q, k, v = qkv[:, :nh], qkv[:, nh : nh + kv], qkv[:, nh + kv :]
+        return self.native_attention(q, k, v, kc, vc, pos, (self.cos, self.sin))
 
     def _decode_bias(self, pos: torch.Tensor, span: int) -> torch.Tensor:
         """(B, 1, span) additive mask of the torch attention path: -1e30 past each row's pos."""

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC")
 
-# (q, k_new, v_new, kc, vc, pos) -> out (rows, heads, head_dim); appends k_new, v_new at pos
+# (q, k_new, v_new, kc, vc, pos, rope=None) -> out (rows, heads, head_dim); appends k_new,
+# v_new at pos; with rope=(cos, sin) tables it also rotates q and k_new at pos first
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -83,15 +84,18 @@ def _build(head_dim: int) -> Path | None:
 def _bind(path: Path) -> Callable[..., None]:
     fn = ctypes.CDLL(str(path)).decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
-    fn.argtypes += [ctypes.c_float, ptr]
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ptr]
     fn.restype = None
     return fn
 
 
-def reference_attention(q, k_new, v_new, kc, vc, pos) -> torch.Tensor:
-    """The same step in torch: append at pos, masked softmax over each row's pos + 1 keys."""
+def reference_attention(q, k_new, v_new, kc, vc, pos, rope=None) -> torch.Tensor:
+    """The same step in torch: (rotate,) append at pos, softmax over each row's pos + 1 keys."""
     rows, heads, kv, max_len, d = q.shape[0], q.shape[1], kc.shape[1], kc.shape[2], q.shape[2]
+    if rope is not None:
+        cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]
+        q, k_new = (t * cos + t.roll(d // 2, dims=-1) * sin for t in (q, k_new))
     kc[torch.arange(rows), :, pos] = k_new
     vc[torch.arange(rows), :, pos] = v_new
     k = kc[:rows].repeat_interleave(heads // kv, dim=1)  # (rows, heads, max_len, d)
@@ -113,14 +117,15 @@ def decode_attention(head_dim: int, max_len: int) -> AttentionFn | None:
     fn = _bind(path)
     scale = head_dim**-0.5
 
-    def attend(q, k_new, v_new, kc, vc, pos) -> torch.Tensor:
+    def attend(q, k_new, v_new, kc, vc, pos, rope=None) -> torch.Tensor:
         q, k_new, v_new = (_rows_of_heads(t, head_dim) for t in (q, k_new, v_new))
         (rows, heads, _), kv = q.shape, kc.shape[1]
         out = torch.empty(rows, heads, head_dim)
         scratch = torch.empty(kc.shape[2])
+        cos, sin = (None, None) if rope is None else (t.data_ptr() for t in rope)
         fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(),
-           v_new.stride(0), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), out.data_ptr(), rows,
-           heads, kv, kc.shape[2], scale, scratch.data_ptr())  # fmt: skip
+           v_new.stride(0), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), cos, sin,
+           out.data_ptr(), rows, heads, kv, kc.shape[2], scale, scratch.data_ptr())  # fmt: skip
         return out
 
     if not _self_check(attend, head_dim, max_len):
@@ -137,9 +142,13 @@ def _rows_of_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 def _self_check(attend: AttentionFn, head_dim: int, max_len: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k_new, v_new = (torch.randn(3, n, head_dim, generator=gen) for n in (4, 2, 2))
-    kc = torch.randn(5, 2, max_len, head_dim, generator=gen)
-    vc = torch.randn(5, 2, max_len, head_dim, generator=gen)
+    rope = tuple(torch.randn(max_len, head_dim, generator=gen) for _ in range(2))
     pos = torch.tensor([0, max_len // 2, max_len - 1])
-    want = reference_attention(q, k_new, v_new, kc.clone(), vc.clone(), pos)
-    got = attend(q, k_new, v_new, kc, vc, pos)
-    return torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    for tables in (None, rope):
+        kc = torch.randn(5, 2, max_len, head_dim, generator=gen)
+        vc = torch.randn(5, 2, max_len, head_dim, generator=gen)
+        want = reference_attention(q, k_new, v_new, kc.clone(), vc.clone(), pos, tables)
+        got = attend(q, k_new, v_new, kc, vc, pos, tables)
+        if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+            return False
+    return True

@@ -6,6 +6,8 @@
  *          step's keys and values, appended to the cache at pos before attending
  *   k, v   (slots, kv_heads, max_len, HEAD_DIM); row b uses slot b
  *   pos    (rows,) the last position row b attends to (inclusive)
+ *   cos, sin  NULL, or RoPE tables (max_len, HEAD_DIM) with rotate-half's sign folded
+ *          into sin: q and k_new are then rotated at pos here (the caller skips it)
  *   out    (rows, heads, HEAD_DIM)
  *   scores scratch of max_len floats
  *
@@ -15,8 +17,9 @@
  * unroll into a few vector instructions; the loader builds one library per
  * head size.
  */
-#include <stdint.h>
 #include <math.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=<head size>"
@@ -53,27 +56,50 @@ static void attend_one(const float *restrict qh, const float *restrict keys,
   for (int d = 0; d < HEAD_DIM; ++d) o[d] = acc[d] * inv;
 }
 
-static void append(const float *restrict src, float *restrict cache_row) {
-  for (int d = 0; d < HEAD_DIM; ++d) cache_row[d] = src[d];
+static void copy(const float *restrict src, float *restrict dst) {
+  for (int d = 0; d < HEAD_DIM; ++d) dst[d] = src[d];
+}
+
+/* RoPE: x * cos + rotate_half(x) * sin, rotate_half's sign already in sin. */
+static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin,
+                   float *restrict out) {
+  const int half = HEAD_DIM / 2;
+  for (int d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * sin[d];
+  for (int d = half; d < HEAD_DIM; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
 void decode_attention(const float *restrict q, int64_t q_row_stride,
                       const float *restrict k_new, int64_t k_row_stride,
                       const float *restrict v_new, int64_t v_row_stride, float *restrict k,
-                      float *restrict v, const int64_t *restrict pos, float *restrict out,
-                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t max_len,
-                      float scale, float *restrict scores) {
+                      float *restrict v, const int64_t *restrict pos, const float *restrict cos,
+                      const float *restrict sin, float *restrict out, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t max_len, float scale,
+                      float *restrict scores) {
   const int64_t group = heads / kv_heads;
+  float qh[HEAD_DIM];
   for (int64_t b = 0; b < rows; ++b) {
+    const float *cos_b = cos ? cos + pos[b] * HEAD_DIM : NULL;
+    const float *sin_b = sin ? sin + pos[b] * HEAD_DIM : NULL;
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
       const int64_t at = ((b * kv_heads + kh) * max_len + pos[b]) * HEAD_DIM;
-      append(k_new + b * k_row_stride + kh * HEAD_DIM, k + at);
-      append(v_new + b * v_row_stride + kh * HEAD_DIM, v + at);
+      const float *kx = k_new + b * k_row_stride + kh * HEAD_DIM;
+      if (cos_b) {
+        rotate(kx, cos_b, sin_b, k + at);
+      } else {
+        copy(kx, k + at);
+      }
+      copy(v_new + b * v_row_stride + kh * HEAD_DIM, v + at);
     }
     for (int64_t h = 0; h < heads; ++h) {
+      const float *qx = q + b * q_row_stride + h * HEAD_DIM;
+      if (cos_b) {
+        rotate(qx, cos_b, sin_b, qh);
+      } else {
+        copy(qx, qh);
+      }
       const int64_t cache_row = (b * kv_heads + h / group) * max_len * HEAD_DIM;
-      attend_one(q + b * q_row_stride + h * HEAD_DIM, k + cache_row, v + cache_row, pos[b] + 1,
-                 scale, scores, out + (b * heads + h) * HEAD_DIM);
+      attend_one(qh, k + cache_row, v + cache_row, pos[b] + 1, scale, scores,
+                 out + (b * heads + h) * HEAD_DIM);
     }
   }
 }

@@ -42,8 +42,9 @@ def test_linear_backend_is_validated():
 
 
 @needs_cc
+@pytest.mark.parametrize("with_rope", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (4, 4, 16), (8, 2, 24)])
-def test_native_attention_matches_reference(heads, kv_heads, head_dim):
+def test_native_attention_matches_reference(heads, kv_heads, head_dim, with_rope):
     attend = native.decode_attention(head_dim, 40)
     assert attend is not None, "the kernel failed to build or failed its self-check"
     gen = torch.Generator().manual_seed(heads + head_dim)
@@ -54,13 +55,14 @@ def test_native_attention_matches_reference(heads, kv_heads, head_dim):
     # q, k, v as the decode step hands them over: strided slices of the fused projection
     qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    rope = tuple(torch.randn(40, head_dim, generator=gen) for _ in range(2)) if with_rope else None
     want_kc, want_vc = kc.clone(), vc.clone()
-    want = native.reference_attention(q, k, v, want_kc, want_vc, pos)
+    want = native.reference_attention(q, k, v, want_kc, want_vc, pos, rope)
     for b, p in enumerate(pos.tolist()):  # keys and values past a row's position are never read
         kc[b, :, p + 1 :] = float("nan")
         vc[b, :, p + 1 :] = float("nan")
-    torch.testing.assert_close(attend(q, k, v, kc, vc, pos), want, atol=1e-5, rtol=1e-4)
-    for b, p in enumerate(pos.tolist()):  # the step's k and v were appended at pos
+    torch.testing.assert_close(attend(q, k, v, kc, vc, pos, rope), want, atol=1e-5, rtol=1e-4)
+    for b, p in enumerate(pos.tolist()):  # the step's k (rotated) and v were appended at pos
         torch.testing.assert_close(kc[b, :, : p + 1], want_kc[b, :, : p + 1])
         torch.testing.assert_close(vc[b, :, : p + 1], want_vc[b, :, : p + 1])
 
