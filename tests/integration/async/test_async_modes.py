@@ -81,10 +81,16 @@ def test_inflight_updates_reach_running_requests_without_aborts(async_config):
     ]
     controller = NexRLController(async_config(*extra))
     controller.run()
+    check_inflight_run(controller)
+
+
+def check_inflight_run(controller) -> list[dict]:
+    """Bound and ledger kept, no abort, some sample spans two versions; returns train lines."""
     check_run(controller, "fully-async-inflight")
-    counters = controller.activity_tracker.get_counters()
-    assert counters.get("rollout/aborted_groups", 0) == 0
-    assert any(x["rollout/multi_version_frac"] > 0 for x in train_lines(controller.run_dir))
+    assert controller.activity_tracker.get_counters().get("rollout/aborted_groups", 0) == 0
+    lines = train_lines(controller.run_dir)
+    assert any(x["rollout/multi_version_frac"] > 0 for x in lines)
+    return lines
 
 
 def check_run(controller, mode):
@@ -128,9 +134,5 @@ def test_inflight_updates_through_a_served_engine(async_config, tiny_model_path)
     finally:
         server.terminate()
         server.wait(30)
-    check_run(controller, "fully-async-inflight")
-    counters = controller.activity_tracker.get_counters()
-    assert counters.get("rollout/aborted_groups", 0) == 0
-    lines = train_lines(controller.run_dir)
-    assert any(x["rollout/multi_version_frac"] > 0 for x in lines)
+    lines = check_inflight_run(controller)
     assert lines[-1]["rollout/serving_version"] >= 3  # every push reached the server
