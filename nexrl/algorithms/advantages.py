@@ -138,9 +138,18 @@ def _returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -
 
 
 def _whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked entries of the whole batch; 0 off-mask."""
+    """(x - mean) / sqrt(var + eps) over the masked entries of the whole batch; 0 off-mask.
+
+    `var` is the unbiased (Bessel-corrected, n - 1) variance, as in verl's
+    `masked_whiten`, so advantages match the reference REINFORCE++ numbers. It
+    is undefined for fewer than two response tokens, which raises.
+    """
     mask = mask.to(values.dtype)
-    n = mask.sum().clamp(min=1)
+    n = mask.sum()
+    if n < 2:
+        raise ValueError(
+            f"REINFORCE++ whitening needs at least 2 response tokens in the batch, got {int(n)}"
+        )
     mean = (values * mask).sum() / n
-    var = (((values - mean) * mask) ** 2).sum() / n
+    var = (((values - mean) * mask) ** 2).sum() / (n - 1)
     return (values - mean) * torch.rsqrt(var + eps) * mask

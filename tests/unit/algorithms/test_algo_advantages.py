@@ -3,6 +3,7 @@
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,8 +56,45 @@ def test_rloo_leave_one_out():
 
 
 def _whiten(values: list[float]) -> list[float]:
-    mean, std = statistics.fmean(values), statistics.pstdev(values)
+    """Whitening with the sample (n - 1) standard deviation, as verl's `masked_whiten`."""
+    mean, std = statistics.fmean(values), statistics.stdev(values)
     return [(v - mean) / std for v in values]
+
+
+def test_whitening_hand_values_use_unbiased_variance():
+    # tokens [1, 1, 3, 3]: mean 2, squared deviations sum 4, unbiased var 4 / 3
+    rewards = torch.tensor([1.0, 3.0])
+    mask = torch.ones(2, 2)
+    adv = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(rewards, torch.arange(2), mask, eps=0.0)
+    # returns-to-go with the reward on the last token: row 0 is [1, 1], row 1 is [3, 3]
+    assert adv.flatten().tolist() == pytest.approx([-math.sqrt(3 / 4)] * 2 + [math.sqrt(3 / 4)] * 2)
+
+
+def test_reinforce_plus_plus_matches_independent_whitening_on_12x7_batch():
+    gen = torch.Generator().manual_seed(0)
+    token_rewards = torch.randn(12, 7, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(12, 7, generator=gen) > 0.3).to(torch.float64)
+    mask[:, 0] = 1  # every row has a response token
+    adv = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(token_rewards, torch.arange(12), mask)
+    # independent: per-row reverse cumsum over masked tokens, then numpy ddof=1 whitening
+    rows = []
+    for r, m in zip(token_rewards.numpy(), mask.numpy(), strict=True):
+        kept = r[m > 0]
+        rows.append(np.cumsum(kept[::-1])[::-1])
+    flat = np.concatenate(rows)
+    want = (flat - flat.mean()) / np.sqrt(flat.var(ddof=1) + 1e-8)
+    got = adv[mask > 0].numpy()
+    assert np.abs(got - want).max() < 1e-12
+    biased = (flat - flat.mean()) / np.sqrt(flat.var(ddof=0) + 1e-8)
+    assert np.abs(got - biased).max() > 1e-3  # the (n) variance would fail this test
+    assert torch.all(adv[mask == 0] == 0)
+
+
+def test_whitening_needs_two_tokens():
+    with pytest.raises(ValueError, match="at least 2 response tokens"):
+        ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(
+            torch.tensor([1.0]), torch.arange(1), torch.tensor([[0.0, 1.0]])
+        )
 
 
 def test_reinforce_plus_plus_whitens_over_batch_tokens():
