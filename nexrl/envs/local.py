@@ -1,0 +1,143 @@
+"""`LocalToolingEnv`: plain Python functions as tools.
+
+The JSON schema of a tool comes from its signature through pydantic
+(`create_model` over the parameters and their type hints), so every type
+pydantic knows (Literal, Enum, list[int], nested models, Optional) gets the
+same schema and the same validation; the docstring gives the description (its
+first paragraph) and the parameter descriptions (a Google-style `Args:`
+section). Arguments are validated against that model before the call, and
+unknown arguments are rejected, so the model reads exactly what was wrong.
+Sync tools run in a worker thread so a slow tool never blocks the event loop
+(the GPU keeps generating for the other episodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from nexrl.envs.base import CallLimits, ToolMetrics, ToolResult, guarded_call, render_output
+
+_SECTION = re.compile(r"^(?:Args|Arguments|Parameters):\n((?:[ \t]+.*(?:\n|$)|\n)*)", re.M)
+_ARG = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """(description, {param: description}) from a Google-style docstring."""
+    if not doc:
+        return "", {}
+    text = inspect.cleandoc(doc)
+    description = text.split("\n\n", 1)[0].replace("\n", " ").strip()
+    params: dict[str, str] = {}
+    section = _SECTION.search(text)
+    base, last = None, None
+    for line in section.group(1).splitlines() if section else []:
+        indent = len(line) - len(line.lstrip())
+        m = _ARG.match(line)
+        if m and (base is None or indent <= base):
+            base, last = indent, m.group(1)
+            params[last] = m.group(2).strip()
+        elif last and line.strip():  # a continuation line
+            params[last] = f"{params[last]} {line.strip()}".strip()
+    return description, params
+
+
+@dataclass
+class LocalTool:
+    """A registered function, its argument model and its OpenAI schema."""
+
+    name: str
+    fn: Callable[..., Any]
+    args_model: type[BaseModel]
+    schema: dict[str, Any]
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], name: str | None = None) -> LocalTool:
+        name = name or fn.__name__
+        description, arg_docs = parse_docstring(fn.__doc__)
+        hints = get_type_hints(fn)
+        fields: dict[str, Any] = {}
+        for pname, param in inspect.signature(fn).parameters.items():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {name!r}: *args/**kwargs cannot be described to a model")
+            if pname not in hints:
+                raise TypeError(f"tool {name!r}: parameter {pname!r} needs a type hint")
+            default = ... if param.default is param.empty else param.default
+            fields[pname] = (hints[pname], Field(default, description=arg_docs.get(pname)))
+        model = create_model(  # type: ignore[call-overload]
+            f"{name}_args", __config__=ConfigDict(extra="forbid"), **fields
+        )
+        parameters = model.model_json_schema()
+        parameters.pop("title", None)
+        for prop in parameters.get("properties", {}).values():
+            prop.pop("title", None)
+        function = {"name": name, "description": description, "parameters": parameters}
+        return cls(name, fn, model, {"type": "function", "function": function})
+
+
+class LocalToolingEnv:
+    """Tools from Python functions, registered per instance (no global state).
+
+    Example: `env = LocalToolingEnv(); env.register_tool(add)`; then
+    `await env.list_tools()` and `await env.call_tool("add", {"a": 1, "b": 2})`.
+    """
+
+    def __init__(
+        self,
+        tools: list[Callable[..., Any]] | None = None,
+        *,
+        timeout_s: float | None = 30.0,
+        max_output_chars: int = 8192,
+    ) -> None:
+        self.limits = CallLimits(timeout_s, max_output_chars)
+        self.metrics = ToolMetrics()
+        self._tools: dict[str, LocalTool] = {}
+        for fn in tools or []:
+            self.register_tool(fn)
+
+    def register_tool(self, fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+        """Add `fn` as a tool (usable as a decorator); a duplicate name is an error."""
+        tool = LocalTool.from_function(fn, name)
+        if tool.name in self._tools:
+            raise ValueError(f"tool {tool.name!r} is already registered")
+        self._tools[tool.name] = tool
+        return fn
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self._tools.values()]
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        async def run() -> tuple[str, bool]:
+            tool = self._tools.get(name)
+            if tool is None:
+                return f"error: unknown tool {name!r}; available: {sorted(self._tools)}", True
+            try:
+                args = tool.args_model.model_validate(arguments or {})
+            except ValidationError as exc:
+                return f"error: invalid arguments for {name!r}: {_brief(exc)}", True
+            kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+            if inspect.iscoroutinefunction(tool.fn):
+                value = await tool.fn(**kwargs)
+            else:
+                value = await asyncio.to_thread(tool.fn, **kwargs)
+            return render_output(value), False
+
+        return await guarded_call(name, run, self.limits, self.metrics)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _brief(exc: ValidationError) -> str:
+    """Pydantic's errors as one line per field, without its documentation links."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "arguments"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
