@@ -5,6 +5,15 @@ Layout of a checkpoint directory:
     config.json, model*.safetensors   `save_pretrained`: loadable by `from_pretrained`
     tokenizer files                   copied from the engine's model path, if it has them
     trainer_state.pt                  optimizer, scheduler, RNG states, step
+    COMPLETE                          manifest: every file with its size (written last)
+
+Saves are atomic: everything is written into a hidden staging folder beside the
+target (`.global_step_N.staging-<pid>-<hex>`), each file is fsync'd, the
+`COMPLETE` manifest is written last, and only then is the folder renamed to its
+final name. A process killed at any point leaves either the previous state or a
+complete checkpoint, plus at most a staging folder that resume ignores and
+removes. `verify_checkpoint` says why a folder is not a complete checkpoint
+(no marker, a file missing or of the wrong size), so resume can skip it and say so.
 
 `trainer_state.pt` holds only tensors, numbers, strings and containers, and is
 read with `torch.load(weights_only=True)`, so a checkpoint cannot run code.
@@ -14,7 +23,16 @@ which works the same for a plain module, DDP and FSDP2; rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import os
 import random
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +50,12 @@ from torch.distributed.checkpoint.state_dict import (
 if TYPE_CHECKING:
     from nexrl.training.torch_engine import TorchTrainEngine
 
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.pt"
+COMPLETE_FILE = "COMPLETE"
+STAGING_TAG = ".staging-"
+MANIFEST_FORMAT = 1
 TOKENIZER_FILES = (
     "tokenizer_config.json",
     "tokenizer.json",
@@ -69,10 +92,9 @@ def write_hf(engine: TorchTrainEngine, path: str, state: dict[str, torch.Tensor]
 
 
 def save(engine: TorchTrainEngine, path: str) -> None:
-    """Weights (HF format) and trainer state; every rank must call it (collectives)."""
+    """Weights (HF format) and trainer state, atomically; every rank must call it (collectives)."""
     state = full_model_state(engine.model)
     optim = get_optimizer_state_dict(engine.model, engine.optimizer, options=_options())
-    write_hf(engine, path, state)
     if engine.rank == 0:
         trainer_state = {
             "step": engine.step,
@@ -80,14 +102,27 @@ def save(engine: TorchTrainEngine, path: str) -> None:
             "scheduler": engine.scheduler.state_dict(),
             "rng": _rng_state(),
         }
-        torch.save(trainer_state, Path(path) / STATE_FILE)
+        with atomic_directory(path) as staging:
+            write_hf(engine, str(staging), state)
+            torch.save(trainer_state, staging / STATE_FILE)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def load(engine: TorchTrainEngine, path: str) -> None:
-    """Restore what `save` wrote; a directory without trainer_state.pt loads weights only."""
+    """Restore what `save` wrote; a directory without trainer_state.pt loads weights only.
+
+    A folder with a `COMPLETE` manifest must match it (else a clear error, not a
+    safetensors parse failure); one without (an older nexrl, a bare HF folder) loads
+    with a warning.
+    """
     root = Path(path)
+    if (root / COMPLETE_FILE).exists():
+        problem = verify_checkpoint(root)
+        if problem:
+            raise ValueError(f"checkpoint {path} is incomplete: {problem}")
+    else:
+        logger.warning("checkpoint %s has no %s marker; loading it unverified", path, COMPLETE_FILE)
     state = read_hf_weights(root)
     tied = set(getattr(engine.model, "_tied_weights_keys", None) or [])
     expected = set(get_model_state_dict(engine.model, options=_options(False)))
@@ -110,6 +145,123 @@ def load(engine: TorchTrainEngine, path: str) -> None:
     engine.scheduler.load_state_dict(trainer_state["scheduler"])
     engine._step = int(trainer_state["step"])
     _set_rng_state(trainer_state["rng"])
+
+
+# -- atomic folders ------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_directory(final: str | Path, hash_files: bool = False) -> Iterator[Path]:
+    """Yield an empty staging folder beside `final`; on a clean exit seal and publish it.
+
+    Usage: write every file of the checkpoint into the yielded folder inside the
+    `with`; nothing appears at `final` until the block ends without an error, and
+    then all of it appears at once. On an error the staging folder is removed.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}{STAGING_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        seal(staging, hash_files=hash_files)
+        publish(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def seal(folder: Path, hash_files: bool = False) -> dict[str, Any]:
+    """fsync every file of `folder`, then write the `COMPLETE` manifest (sizes, opt. sha256)."""
+    files: dict[str, dict[str, Any]] = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE_FILE):
+        _fsync_file(f)
+        entry: dict[str, Any] = {"size": f.stat().st_size}
+        if hash_files:
+            entry["sha256"] = _sha256(f)
+        files[f.relative_to(folder).as_posix()] = entry
+    manifest = {"format": MANIFEST_FORMAT, "saved_at": time.time(), "files": files}
+    marker = folder / COMPLETE_FILE
+    marker.write_text(json.dumps(manifest, indent=1))
+    _fsync_file(marker)
+    _fsync_dir(folder)
+    return manifest
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`; an existing `final` is moved aside first, then deleted."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+    staging.rename(final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> str | None:
+    """None for a complete checkpoint, else why not (for the resume log)."""
+    root = Path(path)
+    marker = root / COMPLETE_FILE
+    if not root.is_dir():
+        return "not a folder"
+    if not marker.exists():
+        return f"no {COMPLETE_FILE} marker: the save did not finish (or an older nexrl wrote it)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {COMPLETE_FILE} manifest ({exc})"
+    for name, entry in files.items():
+        f = root / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, the manifest says {entry['size']}"
+        if check_hashes and "sha256" in entry and _sha256(f) != entry["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def saved_at(path: str | Path) -> float:
+    """When the checkpoint at `path` was sealed (from its manifest; 0 if unknown)."""
+    try:
+        return float(json.loads((Path(path) / COMPLETE_FILE).read_text())["saved_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def staging_leftovers(folder: str | Path) -> list[Path]:
+    """Staging / moved-aside folders under `folder` left by a process that died mid-save."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith(".") and (STAGING_TAG in p.name or ".old-" in p.name)
+    )
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        _fsync_file(path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_hf_weights(root: Path) -> dict[str, torch.Tensor]:
