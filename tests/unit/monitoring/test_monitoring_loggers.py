@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -36,23 +36,27 @@ def test_backend_parsing_and_validation(tmp_path) -> None:
     assert parse_backends("console, jsonl") == ["console", "jsonl"]
     assert parse_backends(["console", "console"]) == ["console"]
     assert parse_backends(None) == []
-    with pytest.raises(ValueError, match="valid choices: jsonl, console, tensorboard, wandb"):
-        parse_backends("mlflow")
+    with pytest.raises(
+        ValueError, match="valid choices: jsonl, console, tensorboard, wandb, mlflow"
+    ):
+        parse_backends("neptune")
     with pytest.raises(ValueError, match="run directory"):
         ExperimentLogger(backends="jsonl")
     assert list(ExperimentLogger(run_dir=tmp_path).backends) == ["jsonl"]  # always on
 
 
 def test_console_line_has_step_reward_rate_and_eta() -> None:
-    console = ConsoleBackend()
+    console = ConsoleBackend(live=False)
     console.total_steps = 10
-    first = console.format_line({"reward": 0.123456}, step=0, now=100.0)
-    assert first == "step 0/10 | reward 0.1235"
-    line = console.format_line({"reward": 0.5, "val/reward": 0.75}, step=4, now=108.0)
-    assert line == "step 4/10 | reward 0.5 | val/reward 0.75 | 2.00 s/step | ETA 0m12s"
+    first = console.format_line({"reward/mean": 0.123456}, step=0, now=100.0)
+    assert first == "step 0/10 | reward/mean 0.1235"
+    line = console.format_line({"reward/mean": 0.5, "val/reward": 0.75}, step=4, now=108.0)
+    assert line == "step 4/10 | reward/mean 0.5 | val/reward 0.75 | 2.00 s/step | ETA 0m12s"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed")
-def test_missing_optional_backend_fails_with_install_hint(tmp_path) -> None:
-    with pytest.raises(ImportError, match="pip install 'nexrl\\[wandb\\]'"):
-        ExperimentLogger(backends="wandb", run_dir=tmp_path)
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_missing_optional_backend_fails_with_install_hint(tmp_path, monkeypatch, name) -> None:
+    monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.setitem(sys.modules, f"{name}.tracking", None)
+    with pytest.raises(ImportError, match=f"pip install 'nexrl\\[{name}\\]'"):
+        ExperimentLogger(backends=name, run_dir=tmp_path)

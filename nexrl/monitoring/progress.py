@@ -1,0 +1,136 @@
+"""The console backend: a rich progress bar on a terminal, plain lines otherwise.
+
+On a terminal the bar shows step/total, the chosen metrics (their latest values:
+a validation post updates `val/reward` without hiding the last train reward),
+seconds per step and the ETA. When stdout is not a terminal (a log file, CI, a
+pipe) every post prints one plain line instead, because a redrawn bar turns
+into noise in a file. Both share `CONSOLE`, so log records routed through
+`rich_log_handler()` are printed above the bar instead of through it.
+
+Seconds per step are measured between successive new steps in this process
+(a resumed run starts measuring at its first step); the ETA is
+`(total_steps - step) * s/step` once `total_steps` is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+DEFAULT_CONSOLE_KEYS = ("reward/mean", "val/reward", "throughput/tokens_per_s")
+"""Keys the train worker and the validator emit (`nexrl/training/train_worker.py`,
+`nexrl/validation.py`): mean train reward, validation reward, tokens per second."""
+
+CONSOLE = Console(highlight=False, soft_wrap=True)
+"""The one console of this process: the bar and rich log records share it."""
+
+
+def rich_log_handler(level: int = logging.INFO) -> logging.Handler:
+    """A log handler that prints above a live progress bar (use it on a terminal)."""
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=CONSOLE, show_path=False, log_time_format="%H:%M:%S")
+    handler.setLevel(level)
+    return handler
+
+
+class ConsoleBackend:
+    """Progress for a human: a live bar on a terminal (`live=None` detects it)."""
+
+    def __init__(
+        self,
+        console_keys: list[str] | None = None,
+        live: bool | None = None,
+        console: Console | None = None,
+        **_: Any,
+    ) -> None:
+        self._console = console or CONSOLE
+        self._keys = list(console_keys) if console_keys is not None else list(DEFAULT_CONSOLE_KEYS)
+        self.live = self._console.is_terminal if live is None else live
+        self.total_steps: int | None = None
+        self._first: tuple[int, float] | None = None
+        self._latest: dict[str, Any] = {}
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    # -- shared by both modes ------------------------------------------------------
+    def _rate_parts(self, step: int, now: float) -> list[str]:
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_t = self._first
+        if step <= first_step:
+            return []
+        per_step = (now - first_t) / (step - first_step)
+        parts = [f"{per_step:.2f} s/step"]
+        if self.total_steps:
+            parts.append(f"ETA {_fmt_duration(max(0, self.total_steps - step) * per_step)}")
+        return parts
+
+    def format_line(self, data: Mapping[str, Any], step: int, now: float) -> str:
+        """The plain line: `step 4/10 | reward/mean 0.5 | 2.00 s/step | ETA 0m12s`."""
+        parts = [f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")]
+        parts += [f"{key} {_fmt(data[key])}" for key in self._keys if key in data]
+        return " | ".join(parts + self._rate_parts(step, now))
+
+    def format_status(self, data: Mapping[str, Any], step: int, now: float) -> str:
+        """The text next to the bar: latest value of every key, s/step and ETA."""
+        self._latest.update({k: data[k] for k in self._keys if k in data})
+        parts = [f"{key} {_fmt(self._latest[key])}" for key in self._keys if key in self._latest]
+        return " | ".join(parts + self._rate_parts(step, now))
+
+    # -- backend API ---------------------------------------------------------------
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        import time
+
+        now = time.monotonic()
+        if not self.live:
+            self._console.print(self.format_line(data, step, now), markup=False)
+            return
+        status = self.format_status(data, step, now)
+        if self._progress is None:
+            self._start(step)
+        assert self._progress is not None and self._task is not None
+        label = f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")
+        self._progress.update(
+            self._task, completed=step, total=self.total_steps, status=status, step=label
+        )
+
+    def _start(self, step: int) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]{task.fields[step]}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}", markup=False),
+            console=self._console,
+            auto_refresh=True,
+            refresh_per_second=2,
+        )
+        self._task = self._progress.add_task(
+            "train", total=self.total_steps, completed=step, status="", step=f"step {step}"
+        )
+        self._progress.start()
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        """Samples are for the trackers and `samples.jsonl`, not the console."""
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
