@@ -43,6 +43,17 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 }
 
 
+def _register_builtins() -> None:
+    """The heavier built-ins live in their own modules (imported here, cheap: no sympy yet)."""
+    from nexrl.rewards.code import code_reward
+    from nexrl.rewards.math import gsm8k_reward, math_reward
+
+    REWARD_FUNCTIONS.update({"math": math_reward, "gsm8k": gsm8k_reward, "code": code_reward})
+
+
+_register_builtins()
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """A registered reward by name, or a function given as "pkg.module:function"."""
     if name in REWARD_FUNCTIONS:
