@@ -22,9 +22,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-DEFAULT_CONSOLE_KEYS = ("reward/mean", "val/reward", "throughput/tokens_per_s")
+DEFAULT_CONSOLE_KEYS = ("reward/mean", "val/reward", "throughput/samples_per_s")
 """Keys the train worker and the validator emit (`nexrl/training/train_worker.py`,
-`nexrl/validation.py`): mean train reward, validation reward, tokens per second."""
+`nexrl/validation.py`): mean train reward, validation reward, samples per second;
+the same list `rl_train.yaml` sets."""
 
 CONSOLE = Console(highlight=False, soft_wrap=True)
 """The one console of this process: the bar and rich log records share it."""

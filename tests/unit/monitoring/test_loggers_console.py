@@ -7,6 +7,7 @@ import io
 import re
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 
 from nexrl.monitoring.progress import DEFAULT_CONSOLE_KEYS, ConsoleBackend
@@ -19,6 +20,8 @@ def test_default_console_keys_are_emitted_by_the_package() -> None:
     source = "\n".join(p.read_text() for p in files)
     emitted = set(re.findall(r'"((?:reward|val|throughput)/[a-z_]+)"', source))
     assert set(DEFAULT_CONSOLE_KEYS) <= emitted, set(DEFAULT_CONSOLE_KEYS) - emitted
+    packaged = OmegaConf.load(ROOT / "nexrl/config/rl_train.yaml").logger.console_keys
+    assert set(packaged) <= emitted, set(packaged) - emitted
 
 
 def _console(terminal: bool) -> tuple[Console, io.StringIO]:
@@ -31,12 +34,12 @@ def test_not_a_terminal_prints_one_plain_line_per_post() -> None:
     backend = ConsoleBackend(console=console)
     assert not backend.live
     backend.total_steps = 4
-    backend.log({"reward/mean": 0.25, "throughput/tokens_per_s": 1200.0}, step=1)
+    backend.log({"reward/mean": 0.25, "throughput/samples_per_s": 1200.0}, step=1)
     backend.log({"val/reward": 0.5}, step=1)
     backend.close()
     lines = out.getvalue().splitlines()
     assert lines == [
-        "step 1/4 | reward/mean 0.25 | throughput/tokens_per_s 1200",
+        "step 1/4 | reward/mean 0.25 | throughput/samples_per_s 1200",
         "step 1/4 | val/reward 0.5",
     ]
     assert "\x1b[" not in out.getvalue()  # no terminal control codes in a file
@@ -53,8 +56,8 @@ def test_terminal_shows_a_bar_with_latest_metrics_rate_and_eta() -> None:
     assert status == "reward/mean 0.25 | val/reward 0.5"  # the train reward stays shown
     status = backend.format_status({"reward/mean": 0.75}, step=6, now=108.0)
     assert status == "reward/mean 0.75 | val/reward 0.5 | 2.00 s/step | ETA 0m08s"
-    backend.log({"reward/mean": 0.8, "throughput/tokens_per_s": 900.0}, step=7)
+    backend.log({"reward/mean": 0.8, "throughput/samples_per_s": 900.0}, step=7)
     backend.close()
     text = out.getvalue()
     assert "step 7/10" in text and "━" in text  # the bar itself
-    assert "reward/mean 0.8" in text and "throughput/tokens_per_s 900" in text
+    assert "reward/mean 0.8" in text and "throughput/samples_per_s 900" in text
