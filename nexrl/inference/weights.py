@@ -28,9 +28,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model_and_tokenizer(model_path: str | Path, dtype: str | torch.dtype, device: str):
-    """`from_pretrained` the causal LM and its tokenizer, in eval mode."""
+    """`from_pretrained` the causal LM and its tokenizer, in eval mode.
+
+    `model_path` may be an HF directory, a Hub id or a GGUF file (`nexrl.models.sources`).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nexrl.models.sources import resolve_model
+
+    model_path = resolve_model(model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=resolve_dtype(dtype), attn_implementation="sdpa"

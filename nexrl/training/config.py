@@ -16,6 +16,13 @@ from typing import Any
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DP_STRATEGIES = ("ddp", "fsdp2")
+LOGPROB_POSITIONS = ("all", "response")
+LORA_DEFAULTS: dict[str, Any] = {
+    "rank": 16,
+    "alpha": 32,
+    "target_modules": "all-linear",
+    "dropout": 0.0,
+}
 
 
 @dataclass
@@ -51,6 +58,17 @@ class EngineConfig:
     and optimizer state stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (HF gradient checkpointing) to save memory."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk of the output projection + log-softmax: the model runs without its
+    head and only the positions needed are projected, this many at a time (recomputed in
+    backward), so no (B, T, vocab) logits tensor exists. 0: one full-logits forward."""
+    logprob_positions: str = "all"
+    """Where compute_logprobs / compute_ref_logprobs / compute_entropy compute values: "all"
+    real tokens, or "response" (the batch's loss_mask; 0 elsewhere; cheaper with a large
+    vocabulary). train_batch always computes the loss's positions only."""
+    lora: dict[str, Any] | None = None
+    """Train a LoRA adapter (peft) instead of all weights: {rank: 16, alpha: 32,
+    target_modules: "all-linear", dropout: 0.0}; weight exports are merged (base + LoRA)."""
     seed: int = 0
     """Seed of torch / python RNGs set at construction."""
     deterministic: bool = False
@@ -70,6 +88,13 @@ class EngineConfig:
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("dp_strategy", self.dp_strategy, DP_STRATEGIES)
+        _check_choice("logprob_positions", self.logprob_positions, LOGPROB_POSITIONS)
+        if self.logprob_chunk_tokens < 0:
+            raise ValueError(
+                f"engine config: logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}"
+            )
+        if self.lora is not None:
+            self.lora = _lora_options(self.lora)
         if self.lr_schedule == "cosine" and not self.total_steps:
             raise ValueError("engine config: lr_schedule='cosine' needs total_steps > 0")
         if self.micro_batch_tokens <= 0:
@@ -100,6 +125,24 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _lora_options(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`lora` with defaults filled in; unknown keys and bad values fail naming the key."""
+    data = dict(_to_plain(data))
+    unknown = sorted(set(data) - set(LORA_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"unknown engine config lora key(s) {unknown}; valid keys: {sorted(LORA_DEFAULTS)}"
+        )
+    opts = {**LORA_DEFAULTS, **data}
+    if int(opts["rank"]) <= 0:
+        raise ValueError(f"engine config lora.rank must be > 0, got {opts['rank']}")
+    if not 0 <= float(opts["dropout"]) < 1:
+        raise ValueError(f"engine config lora.dropout must be in [0, 1), got {opts['dropout']}")
+    targets = opts["target_modules"]
+    opts["target_modules"] = targets if isinstance(targets, str) else list(targets)
+    return opts
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -105,3 +105,71 @@ def to_grid(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         flat = values[grid[:, :width]]
     out = values.new_zeros(grid.shape)
     return out.masked_scatter(grid, flat)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,  # (N, L, H) final hidden states (after the last norm)
+    head: torch.Tensor,  # (V, H) output projection
+    inputs: ModelInputs,
+    select: torch.Tensor | None = None,  # (b, T) bool: tokens whose logprob is wanted
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` from hidden states, without the (N, L, V) logits tensor.
+
+    Only the tokens in `select` (default: every real token) are projected onto the
+    vocabulary, `chunk_tokens` rows at a time, in float32. With autograd on, each chunk
+    runs under activation checkpointing, so backward recomputes the chunk's (rows, V)
+    logits instead of keeping them: peak memory holds one chunk of logits, not T x V.
+    Tokens off `select` get 0, like positions off the mask.
+    """
+    ids = inputs.input_ids
+    want = inputs.position_ids[:, 1:] > 0  # (N, L-1): token t+1 has a prediction at t
+    if select is not None:
+        want = want & _to_model_layout(select, inputs)[:, 1:]
+    rows = hidden[:, :-1][want]  # (M, H) hidden state that predicts each wanted token
+    targets = ids[:, 1:][want]  # (M,)
+    pieces = [
+        _chunk(rows[i : i + chunk_tokens], head, targets[i : i + chunk_tokens], with_entropy)
+        # at least one (maybe empty) chunk: the result stays connected to the graph
+        for i in range(0, max(rows.shape[0], 1), max(1, chunk_tokens))
+    ]
+    lp_flat = torch.cat([p[0] for p in pieces])
+    lp = _scatter(lp_flat.float(), want)
+    ent = None
+    if with_entropy:
+        ent_flat = torch.cat([p[1] for p in pieces])
+        ent = to_grid(_scatter(ent_flat.float(), want), inputs)
+    return to_grid(lp, inputs), ent
+
+
+def _chunk(rows, head, targets, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.is_grad_enabled() and (rows.requires_grad or head.requires_grad):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(_project, rows, head, targets, with_entropy, use_reentrant=False)
+    return _project(rows, head, targets, with_entropy)
+
+
+def _project(rows, head, targets, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (rows @ head.T).float()  # (n, V)
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return lp, lp.new_zeros(0)
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return lp, ent
+
+
+def _scatter(values: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """(M,) values of the wanted predictions -> (N, L) with 0 at t=0 and elsewhere."""
+    out = values.new_zeros(want.shape).masked_scatter(want, values)
+    return torch.nn.functional.pad(out, (1, 0))
+
+
+def _to_model_layout(select: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+    """A (b, T) grid mask in the layout the model ran: (1, L) packed or (b, T') padded."""
+    select = select.bool() & inputs.grid_mask
+    if inputs.packed:
+        return select[inputs.grid_mask][None]
+    return select[:, : inputs.input_ids.shape[1]]

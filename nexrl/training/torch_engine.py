@@ -18,15 +18,23 @@ import contextlib
 import os
 import random
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from nexrl.algorithms.objective import compute_loss
+from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_state_dict
+from nexrl.models.sources import resolve_model
 from nexrl.training import checkpoint
 from nexrl.training.config import EngineConfig
-from nexrl.training.microbatch import make_inputs, split_by_tokens, token_logprobs
+from nexrl.training.microbatch import (
+    chunked_token_logprobs,
+    make_inputs,
+    split_by_tokens,
+    token_logprobs,
+)
 from nexrl.training.parallel import all_reduce_sum, init_from_env, wrap_model
 from nexrl.types import Batch
 
@@ -39,16 +47,19 @@ class TorchTrainEngine:
 
     def __init__(self, config: EngineConfig | dict[str, Any], model_path: str) -> None:
         self.config = EngineConfig.from_mapping(config)
-        self.model_path = str(model_path)
+        # a local directory even for a Hub id or a GGUF file, so checkpoints copy its tokenizer
+        self.model_path = str(resolve_model(model_path))
         self.device = _pick_device()
         self.rank, self.world_size = init_from_env(self.device)
         _seed_everything(self.config.seed, self.config.deterministic)
         self.packing = self.config.packing_enabled()
         self.autocast_dtype = _autocast_dtype(self.config.dtype, self.device)
         self.model = self._load_model(self.model_path, trainable=True)
+        if self.config.lora is not None:
+            self.model = apply_lora(self.model, self.config.lora)
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
             betas=self.config.betas,
             eps=self.config.eps,
@@ -57,7 +68,8 @@ class TorchTrainEngine:
         self.scheduler = _make_scheduler(self.optimizer, self.config)
         self.ref_model = None
         if self.config.ref_model_path:
-            self.ref_model = self._load_model(self.config.ref_model_path, trainable=False)
+            ref_path = str(resolve_model(self.config.ref_model_path))
+            self.ref_model = self._load_model(ref_path, trainable=False)
         self._step = 0
 
     @property
@@ -85,6 +97,8 @@ class TorchTrainEngine:
 
     def _no_grad_pass(self, model, batch: Batch, entropy: bool):
         values = _tensors(batch, ("input_ids", "attention_mask"), self.device)
+        if self.config.logprob_positions == "response" and "loss_mask" not in values:
+            raise KeyError("logprob_positions='response' needs the batch field 'loss_mask'")
         shape = values["input_ids"].shape
         lp_out = torch.zeros(shape, dtype=torch.float32)
         ent_out = torch.zeros(shape, dtype=torch.float32) if entropy else None
@@ -101,21 +115,34 @@ class TorchTrainEngine:
         model.train(was_training)
         return lp_out, ent_out
 
-    def _logprobs(self, module, mb: dict[str, torch.Tensor], entropy: bool):
+    def _logprobs(self, module, mb: dict[str, torch.Tensor], entropy: bool, select=None):
+        """(b, T) logprobs (and entropy) of micro-batch `mb`; `select`: positions wanted.
+
+        With `logprob_chunk_tokens` > 0 the model runs without its output projection and
+        `chunked_token_logprobs` projects only the wanted positions, a chunk at a time.
+        """
         inputs = make_inputs(mb["input_ids"], mb["attention_mask"], self.packing)
+        if select is None and self.config.logprob_positions == "response":
+            select = mb.get("loss_mask")
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
-        with autocast:
-            logits = module(
+        hf_model = _unwrap(module)
+        chunked = self.config.logprob_chunk_tokens > 0 and _can_chunk(hf_model, self.config)
+        with autocast, _without_head(hf_model) if chunked else contextlib.nullcontext() as head:
+            out = module(
                 input_ids=inputs.input_ids,
                 attention_mask=inputs.attention_mask,
                 position_ids=inputs.position_ids,
                 use_cache=False,
             ).logits
-        return token_logprobs(logits, inputs, with_entropy=entropy)
+            if chunked:
+                return chunked_token_logprobs(
+                    out, head, inputs, select, entropy, self.config.logprob_chunk_tokens
+                )
+        return token_logprobs(out, inputs, with_entropy=entropy)
 
     # ---------------------------------------------------------------- training
 
@@ -147,7 +174,8 @@ class TorchTrainEngine:
         for k, (rows, weight) in enumerate(micro):
             mb = {name: v[rows] for name, v in values.items()}
             with self._sync_context(last=k == len(micro) - 1):
-                lp, ent = self._logprobs(self.train_module, mb, want_entropy)
+                # only the loss's positions need a logprob (the loss masks the rest)
+                lp, ent = self._logprobs(self.train_module, mb, want_entropy, mb["loss_mask"])
                 loss, metrics = compute_loss(
                     lp,
                     mb,
@@ -204,19 +232,35 @@ class TorchTrainEngine:
     # ---------------------------------------------------------------- weights
 
     def save(self, path: str) -> None:
-        """HF safetensors weights + tokenizer + optimizer/scheduler/RNG/step under `path`."""
+        """HF safetensors weights + tokenizer + optimizer/scheduler/RNG/step under `path`.
+
+        With LoRA the weights are the adapter (`adapter_model.safetensors`, peft format;
+        the frozen base is `model_path`).
+        """
         checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
         """Restore weights, optimizer, scheduler, RNG and step written by `save`."""
-        checkpoint.load(self, path)
+        if is_peft(self.model):
+            load_lora_checkpoint(self, path)
+        else:
+            checkpoint.load(self, path)
 
     def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
-        """Full state dict as CPU tensors, or an HF directory written at `path` (returned)."""
-        state = checkpoint.full_model_state(self.model)
+        """Full state dict as CPU tensors, or an HF directory written at `path` (returned).
+
+        With LoRA: the base weights with the adapters merged in, under the base names.
+        """
+        if is_peft(self.model):
+            state = merged_state_dict(self.model)
+            target = SimpleNamespace(
+                rank=self.rank, model=self.model.get_base_model(), model_path=self.model_path
+            )
+        else:
+            state, target = checkpoint.full_model_state(self.model), self
         if path is None:
             return state
-        checkpoint.write_hf(self, path, state)
+        checkpoint.write_hf(target, path, state)
         return path
 
     def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
@@ -226,11 +270,45 @@ class TorchTrainEngine:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         model.to(self.device)
         if trainable and self.config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # non-reentrant: gradients also reach adapters behind frozen embeddings (LoRA)
+            model.gradient_checkpointing_enable({"use_reentrant": False})
             model.config.use_cache = False
         if not trainable:
             model.eval().requires_grad_(False)
         return model
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP / peft wrapper."""
+    inner = getattr(module, "module", module)  # DDP
+    get_base = getattr(inner, "get_base_model", None)  # peft
+    return get_base() if get_base is not None else inner
+
+
+def _can_chunk(model: torch.nn.Module, config: EngineConfig) -> bool:
+    """Chunking needs a plain linear head and whole (unsharded) head weights."""
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    sharded = config.dp_strategy == "fsdp2" and _world_size() > 1
+    return isinstance(head, torch.nn.Linear) and head.bias is None and not softcap and not sharded
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def _without_head(model: torch.nn.Module):
+    """Run `model` with an identity output layer (its "logits" are the final hidden states);
+    yields the head's weight for `chunked_token_logprobs`."""
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(torch.nn.Identity())
+    try:
+        yield head.weight
+    finally:
+        model.set_output_embeddings(head)
 
 
 def _tensors(batch: Batch, required: tuple[str, ...], device: torch.device):
