@@ -124,7 +124,10 @@ async def guarded_call(
         timed_out = True
     except Exception as exc:  # the model must see the error, the rollout must go on
         text, is_error = f"error: tool {name!r} raised {type(exc).__name__}: {exc}", True
-    text, cut = truncate(text, limits.max_output_chars)
+    # Our error messages must stay readable even under a tiny output limit.
+    text, cut = truncate(
+        text, max(limits.max_output_chars, 2000) if is_error else limits.max_output_chars
+    )
     result = ToolResult(name, text, is_error, time.perf_counter() - start, cut)
     metrics.record(result, timed_out)
     return result

@@ -9,6 +9,7 @@ import sys
 import time
 
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer("calc")
 
@@ -21,8 +22,8 @@ def add(a: int, b: int) -> int:
 
 @server.tool()
 def fail(message: str) -> str:
-    """Always raises (to test error results)."""
-    raise ValueError(message)
+    """Always fails (to test error results)."""
+    raise ToolError(message)
 
 
 @server.tool()
