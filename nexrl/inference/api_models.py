@@ -9,6 +9,7 @@ start of generation) and per-choice `token_versions`.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -16,17 +17,23 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from nexrl.inference.protocol import GenerationResponse, SamplingParams
+from nexrl.inference.tool_parsers import ParseFailure, ToolCall, ToolCallParser
+
+MAX_LOGPROBS = 20
+"""Default cap on `logprobs` / `top_logprobs` (vLLM's default `max_logprobs` too)."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = 16  # checked by the server (its message names max_new_tokens)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
-    n: int = 1
+    n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -54,31 +61,114 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="text, token ids, or a list of either (several prompts)"
     )
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
 
 
 class ChatRequest(_Sampling):
-    messages: list[dict[str, Any]]
+    messages: list[Any] = Field(..., min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted; every parsed call is returned
 
 
-class UpdateWeightsRequest(BaseModel):
-    """SGLang's `/update_weights_from_disk` body, plus our integer `version`."""
+class _Control(BaseModel):
+    """Control bodies reject unknown fields: a typo must not silently do nothing."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateWeightsRequest(_Control):
+    """SGLang's `/update_weights_from_disk` body (its options accepted, not all used), plus
+    our integer `version`."""
 
     model_path: str
     version: int | None = None
     weight_version: str | int | None = None
     load_format: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(_Control):
     rid: str | None = None
     abort_all: bool = False
+
+
+class EmptyControlRequest(_Control):
+    """`/pause_generation`, `/continue_generation`: no fields (SGLang's `mode` is accepted)."""
+
+    mode: str | None = None
+
+
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Checked copies of OpenAI chat messages, ready for a chat template.
+
+    Raises ValueError naming the field (`messages[2].role: ...`). Text content parts are
+    joined; an assistant message may have null content only with `tool_calls`, whose
+    JSON-string arguments become objects (what chat templates expect).
+    """
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _message(m: Any, where: str) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise ValueError(f"{where}: must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role is None:
+        raise ValueError(f"{where}.role: field required (one of {', '.join(ROLES)})")
+    if role not in ROLES:
+        raise ValueError(f"{where}.role: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    out = dict(m)
+    content = m.get("content")
+    if content is None:
+        if not (role == "assistant" and m.get("tool_calls")):
+            raise ValueError(
+                f"{where}.content: null is allowed only in an assistant message with tool_calls"
+            )
+        out["content"] = ""
+    elif isinstance(content, list):
+        out["content"] = "".join(
+            _text_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)
+        )
+    elif not isinstance(content, str):
+        raise ValueError(f"{where}.content: must be a string or a list of text parts")
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = [
+            _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])
+        ]
+    return out
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ValueError(f"{where}.type: {kind!r} is not supported (text parts only)")
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f"{where}.text: must be a string")
+    return part["text"]
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where}.function.name: field required")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}.function.arguments: not valid JSON ({exc.msg})") from None
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+Parsed = tuple[str, list[ToolCall], list[ParseFailure]]
 
 
 def _usage(prompt_len: int, resp: GenerationResponse) -> dict[str, int]:
@@ -135,17 +225,38 @@ def completion_body(
     return {**response_header("text_completion", resp.rid, model, version), **_tail(resp, choices)}
 
 
+def assistant_message(text: str, finish: str, parsed: Parsed | None) -> tuple[dict, str]:
+    """The OpenAI assistant message and finish_reason of one sample (tool calls parsed)."""
+    if parsed is None or not parsed[1]:
+        return {"role": "assistant", "content": text}, finish
+    content, calls, _ = parsed
+    message = {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [c.to_openai() for c in calls],
+    }
+    return message, "tool_calls" if finish == "stop" else finish
+
+
 def chat_body(
-    resp: GenerationResponse, model: str, version: int, tokenizer, logprobs: bool
+    resp: GenerationResponse,
+    model: str,
+    version: int,
+    tokenizer,
+    logprobs: bool,
+    parsed: list[Parsed] | None = None,
 ) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(resp.outputs):
         lp = _chat_logprobs(tokenizer, out.output_ids, out.output_logprobs) if logprobs else None
+        message, finish = assistant_message(
+            out.text, out.finish_reason, parsed[i] if parsed else None
+        )
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason,
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": lp,
                 "token_ids": out.output_ids,
                 "token_versions": out.output_versions,
@@ -198,6 +309,34 @@ def chat_chunk_fn(header: dict[str, Any], tokenizer, logprobs: bool):
         lp = _chat_logprobs(tokenizer, ids, lps) if logprobs and ids else None
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {**header, "choices": [{**choice, "token_ids": ids}]}
+
+    return make
+
+
+def chat_tool_chunk_fn(
+    header: dict[str, Any], tokenizer, logprobs: bool, parser: ToolCallParser, on_parsed
+):
+    """Like `chat_chunk_fn`, for requests with tools: the text of a sample is held back until
+    it ends (a tool call cannot be told from content before its closing tag), then sent as
+    `content` and OpenAI `tool_calls` deltas with the finish_reason. Token ids (and
+    logprobs) still stream one chunk per token."""
+    plain = chat_chunk_fn(header, tokenizer, logprobs)
+    texts: dict[int, str] = {}
+
+    def make(index: int, text: str, ids: list[int], lps: list[float], finish: str | None):
+        texts[index] = texts.get(index, "") + text
+        if finish is None:
+            chunk = plain(index, "", ids, lps, None)
+            chunk["choices"][0]["delta"].pop("content")
+            return chunk
+        parsed = parser.parse(texts[index])
+        on_parsed(parsed)
+        message, finish = assistant_message(texts[index], finish, parsed)
+        chunk = plain(index, message["content"] or "", ids, lps, finish)
+        delta = chunk["choices"][0]["delta"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        return chunk
 
     return make
 

@@ -1,12 +1,17 @@
 """`nexrl serve`: run the built-in engine behind the OpenAI-compatible server.
 
 Binds 127.0.0.1 unless `--host` says otherwise; with `--api-key` (or
-`NEXRL_API_KEY`) every endpoint requires `Authorization: Bearer KEY`.
+`NEXRL_API_KEY`) every endpoint requires `Authorization: Bearer KEY`, and with
+`--admin-key` (or `NEXRL_ADMIN_KEY`) the control endpoints (weight update,
+pause, abort) require that key instead. A server bound to a non-loopback
+address refuses to start without an API key (`--allow-insecure` overrides),
+and there loads weights only from `--weights-dir` directories.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 
@@ -19,6 +24,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("NEXRL_API_KEY"))
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("NEXRL_ADMIN_KEY"),
+        help="key for the control endpoints (weight update, pause, abort); default: --api-key",
+    )
+    p.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="serve on a non-loopback address without an API key",
+    )
+    p.add_argument(
+        "--weights-dir",
+        action="append",
+        default=None,
+        help="directory /update_weights_from_disk may read (repeatable); default: any path on "
+        "a loopback address, none on any other",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="parse tool calls in chat replies: hermes, qwen, llama3_json, mistral",
+    )
+    p.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs/top_logprobs")
     p.add_argument("--served-model-name", default="default")
     p.add_argument("--backend", choices=("builtin", "hf"), default="builtin")
     p.add_argument("--max-batch", type=int, default=128, help="max running sequences")
@@ -41,9 +69,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to be local
+        return False
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse unsafe or unknown settings before the model loads (argparse errors, exit 2)."""
+    from nexrl.inference.tool_parsers import PARSERS
+
+    if not is_loopback(args.host) and not args.api_key and not args.allow_insecure:
+        parser.error(
+            f"--host {args.host} is not a loopback address: give --api-key (or NEXRL_API_KEY), "
+            "or --allow-insecure to serve without one"
+        )
+    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
+        parser.error(
+            f"--tool-call-parser: unknown {args.tool_call_parser!r}; known: {sorted(PARSERS)}"
+        )
+    for d in args.weights_dir or []:
+        if not os.path.isdir(d):
+            parser.error(f"--weights-dir: {d!r} is not a directory")
+    if args.weights_dir is None and not is_loopback(args.host):
+        args.weights_dir = []  # a network-facing server loads weights from nowhere by default
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv`, build the engine and serve until interrupted. Returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     import torch
     import uvicorn
 
@@ -69,7 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         engine = ProcessEngine(args.model, threads=args.threads, **options)
     else:
         engine = create_engine({"backend": args.backend, "model": args.model, **options})
-    app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key)
+    app = create_app(
+        engine,
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        admin_key=args.admin_key,
+        tool_parser=args.tool_call_parser,
+        weights_dirs=args.weights_dir,
+        max_logprobs=args.max_logprobs,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

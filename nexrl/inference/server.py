@@ -7,6 +7,15 @@ HTTP requests land in the engine's running batch together. Control endpoints
 same trainer-side adapter drives SGLang and nexrl. Every error is a JSON body
 `{"error": {"message", "type", "code"}}` with a 4xx status for bad input; the
 server keeps serving.
+
+Tools: with a tool-call parser (`create_app(tool_parser="hermes")`, `nexrl serve
+--tool-call-parser`), chat requests may carry OpenAI `tools`; they are rendered
+by the tokenizer's chat template and the reply is parsed into `tool_calls`
+(nexrl/inference/tool_parsers.py). Input limits: prompts beyond the context,
+`max_tokens` beyond `max_model_len`, logprobs beyond `max_logprobs`, malformed
+messages and unknown control fields are 4xx naming the field. Control
+endpoints can take their own `admin_key`; weight updates read only from
+`weights_dirs` when given.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ import json
 import time
 import uuid
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import jinja2
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,12 +45,16 @@ from prometheus_client import (
 
 from nexrl.inference import streaming
 from nexrl.inference.api_models import (
+    MAX_LOGPROBS,
     AbortRequest,
     ChatRequest,
     CompletionRequest,
+    EmptyControlRequest,
     UpdateWeightsRequest,
     chat_body,
     chat_chunk_fn,
+    chat_messages,
+    chat_tool_chunk_fn,
     completion_body,
     completion_chunk_fn,
     response_header,
@@ -50,6 +65,11 @@ from nexrl.inference.protocol import (
     GenerationResponse,
     InferenceEngine,
     WeightUpdateMeta,
+)
+from nexrl.inference.tool_parsers import ToolCallParser, get_parser
+
+CONTROL_PATHS = frozenset(
+    {"/update_weights_from_disk", "/pause_generation", "/continue_generation", "/abort_request"}
 )
 
 
@@ -76,8 +96,16 @@ class _Metrics:
         self.occupancy = Gauge("nexrl_batch_occupancy", "Running rows / max batch size", registry=r)
         self.queue = Gauge("nexrl_queue_length", "Requests waiting for a slot", registry=r)
         self.version = Gauge("nexrl_weight_version", "Current weight version", registry=r)
+        self.tool_calls = Counter("nexrl_tool_calls", "Tool calls parsed from replies", registry=r)
+        self.tool_parse_failures = Counter(
+            "nexrl_tool_call_parse_failures", "Malformed or truncated tool calls", registry=r
+        )
         self._last = (time.monotonic(), 0.0)
         self._total = 0.0
+
+    def parsed(self, parsed) -> None:
+        self.tool_calls.inc(len(parsed[1]))
+        self.tool_parse_failures.inc(len(parsed[2]))
 
     def generated(self, n: int) -> None:
         self.tokens.inc(n)
@@ -115,24 +143,43 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     )
 
 
-def _auth(api_key: str | None):
+def _auth(api_key: str | None, admin_key: str | None):
+    """Control endpoints take `admin_key` when one is set; everything else `api_key`."""
+
     async def check(request: Request) -> None:  # async: a sync dependency costs a thread hop
-        if api_key is None:
+        control = admin_key is not None and request.url.path in CONTROL_PATHS
+        key, what = (admin_key, "admin key") if control else (api_key, "API key")
+        if key is None:
             return
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise APIError(
-                401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
+                401, f"missing or wrong {what} (Authorization: Bearer KEY)", "auth_error"
             )
 
     return check
 
 
 def create_app(
-    engine: InferenceEngine, *, model_name: str = "default", api_key: str | None = None
+    engine: InferenceEngine,
+    *,
+    model_name: str = "default",
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    tool_parser: str | None = None,
+    weights_dirs: list[str] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` as model `model_name` (also reachable by its path)."""
-    app = FastAPI(title="nexrl inference", dependencies=[Depends(_auth(api_key))], **_NO_TELEMETRY)
+    """The FastAPI app serving `engine` as model `model_name` (also reachable by its path).
+
+    api_key / admin_key: bearer keys for all endpoints / for the control endpoints.
+    tool_parser: a name in `nexrl.inference.tool_parsers.PARSERS`; None: no `tools`.
+    weights_dirs: directories `/update_weights_from_disk` may read; None: any path.
+    max_logprobs: the largest `logprobs` / `top_logprobs` a request may ask for.
+    """
+    auth = Depends(_auth(api_key, admin_key))
+    app = FastAPI(title="nexrl inference", dependencies=[auth], **_NO_TELEMETRY)
+    parser = get_parser(tool_parser) if tool_parser else None
     metrics = _Metrics(engine)
     tokenizer = engine.tokenizer
     vocab = len(tokenizer)  # the tokenizer computes it on every call
@@ -148,10 +195,32 @@ def create_app(
 
     gen = _Generation(engine, metrics, model_name)
 
+    def check_lengths(ids: list[int], max_tokens: int | None, field: str) -> None:
+        if max_tokens is not None and max_tokens < 0:
+            raise APIError(400, f"max_tokens: must be >= 0 (max_new_tokens), got {max_tokens}")
+        if max_len is None:
+            return
+        if len(ids) >= max_len:
+            raise APIError(
+                400,
+                f"{field}: this model's maximum context length is {max_len} tokens "
+                f"(max_model_len), but the request has {len(ids)} input tokens (at least one "
+                "must be left to generate)",
+            )
+        if max_tokens is not None and max_tokens > max_len:
+            raise APIError(
+                400,
+                f"max_tokens: {max_tokens} is more than the model's maximum context length "
+                f"({max_len} tokens); generation stops at the context end anyway",
+            )
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
+        _check_logprobs("logprobs", body.logprobs, max_logprobs)
         prompts = _prompt_batch(body.prompt, tokenizer, vocab)
+        for ids in prompts:
+            check_lengths(ids, body.max_tokens, "prompt")
 
         def default_max(ids: list[int]) -> int:
             return 16 if max_len is None else min(16, max(max_len - len(ids), 0))
@@ -172,21 +241,90 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Response:
         check_model(body.model)
-        ids = list(
-            tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True)
-        )
+        _check_logprobs("top_logprobs", body.top_logprobs, max_logprobs)
+        try:
+            messages = chat_messages(body.messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        use_parser = _tool_mode(body, parser)
+        ids = _render(tokenizer, messages, body.tools)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
+        check_lengths(ids, body.max_tokens, "messages")
         default_max = max((max_len or len(ids) + 16) - len(ids), 0)
         if body.stream:
-            chunks = partial(chat_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
+            if use_parser is not None:
+                chunks = partial(
+                    chat_tool_chunk_fn,
+                    tokenizer=tokenizer,
+                    logprobs=body.logprobs,
+                    parser=use_parser,
+                    on_parsed=metrics.parsed,
+                )
+            else:
+                chunks = partial(chat_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
             return await gen.stream(ids, body, default_max, "chat", chunks)
         resp, version = await gen.run(ids, body, default_max, "chat")
-        return _json(chat_body(resp, model_name, version, tokenizer, body.logprobs))
+        parsed = None
+        if use_parser is not None:
+            parsed = [use_parser.parse(o.text) for o in resp.outputs]
+            for p in parsed:
+                metrics.parsed(p)
+        return _json(chat_body(resp, model_name, version, tokenizer, body.logprobs, parsed))
 
     _info_routes(app, engine, metrics, model_name)
-    _control_routes(app, engine)
+    _control_routes(app, engine, weights_dirs)
     return app
+
+
+def _check_logprobs(field: str, value: int | None, cap: int) -> None:
+    if value is not None and value > cap:
+        raise APIError(400, f"{field}: {value} is more than this server's maximum of {cap}")
+
+
+def _tool_mode(body: ChatRequest, parser: ToolCallParser | None) -> ToolCallParser | None:
+    """The parser to apply to this request's replies (None: return text as it is)."""
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if body.tools else "none"
+    if choice not in ("auto", "none"):
+        raise APIError(400, f"tool_choice: {choice!r} is not supported; use 'auto' or 'none'")
+    if choice == "none" or not body.tools:
+        return None
+    if parser is None:
+        raise APIError(
+            400,
+            "tools: this server has no tool-call parser; start it with "
+            "`nexrl serve --tool-call-parser NAME` (or send tool_choice='none')",
+        )
+    for i, tool in enumerate(body.tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise APIError(400, f"tools[{i}]: expected {{'type': 'function', 'function': {{...}}}}")
+    return parser
+
+
+def _render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    """The chat template's prompt ids; a template that rejects the messages is a 400."""
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+        )
+    except jinja2.TemplateError as exc:
+        raise APIError(400, f"messages: the chat template rejected them: {exc}") from exc
+    return list(ids)
+
+
+def _check_weights_path(path: str, dirs: list[str] | None) -> None:
+    if dirs is None:
+        return
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(Path(d).resolve()) for d in dirs):
+        raise APIError(
+            403,
+            f"model_path: {path!r} is outside the directories this server may load weights "
+            f"from ({', '.join(dirs) or 'none'}; nexrl serve --weights-dir)",
+            "permission_error",
+        )
 
 
 def _info_routes(app: FastAPI, engine: InferenceEngine, metrics: _Metrics, model_name: str) -> None:
@@ -250,9 +388,10 @@ class _Generation:
         return StreamingResponse(events, media_type="text/event-stream")
 
 
-def _control_routes(app: FastAPI, engine: InferenceEngine) -> None:
+def _control_routes(app: FastAPI, engine: InferenceEngine, weights_dirs: list[str] | None) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+        _check_weights_path(body.model_path, weights_dirs)
         version = body.version
         if version is None and body.weight_version is not None:
             version = int(body.weight_version)
@@ -264,12 +403,12 @@ def _control_routes(app: FastAPI, engine: InferenceEngine) -> None:
         return {"success": True, "message": "weights updated", "version": engine.version}
 
     @app.post("/pause_generation")
-    async def pause() -> dict[str, Any]:
+    async def pause(body: EmptyControlRequest | None = None) -> dict[str, Any]:
         await asyncio.to_thread(engine.pause)
         return {"success": True}
 
     @app.post("/continue_generation")
-    async def resume() -> dict[str, Any]:
+    async def resume(body: EmptyControlRequest | None = None) -> dict[str, Any]:
         await asyncio.to_thread(engine.resume)
         return {"success": True}
 
