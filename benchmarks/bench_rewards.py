@@ -1,0 +1,279 @@
+"""Benchmark: rewards/s under 64 concurrent rollouts, for each built-in reward kind.
+
+    python benchmarks/bench_rewards.py            # a few minutes on 2 CPU cores
+    python benchmarks/bench_rewards.py --smoke    # seconds; no judge server
+
+Every figure is `RewardRunner.ascore` called by 64 concurrent asyncio tasks
+(the rollout side), so it includes the runner's own overhead:
+
+- `math_numeric`: GSM8K-style completions (`#### n`), numeric path only.
+- `math_symbolic`: `\\boxed{...}` fractions/expressions, math-verify in its
+  process pool (the calls come from threads, so the off-main-thread path).
+- `code_sandboxed`: MBPP-style programs with 3 assert tests each in the bwrap
+  sandbox (3 sandboxed runs per reward), with the warm pool; `code_cold` the
+  same with no pre-started sandboxes (pool_size=0). `code_warm_vs_cold` is
+  their ratio.
+- `reward_model`: a tiny random-init sequence classifier, batched
+  (batch_size=32) vs one forward per call (`rm_batched_vs_unbatched`).
+- `judge`: the generative judge against `nexrl serve` (tiny built-in model,
+  8 new tokens per judgement) as a subprocess; replies are garbage, so the
+  figure is judgements/s completed (parsed or counted as unparseable).
+
+Results go to benchmarks/results/rewards.{md,json} (or `--out`), with the CPU
+model and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from nexrl.rewards.code import CodeReward
+from nexrl.rewards.math import gsm8k_reward, math_reward
+from nexrl.rewards.runner import RewardRunner
+from nexrl.rewards.sandbox import Sandbox, SandboxLimits
+
+CONCURRENCY = 64
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+async def drive(runner: RewardRunner, calls: list[tuple[str, str, dict]]) -> dict[str, Any]:
+    """Score `calls` with CONCURRENCY tasks in flight; rewards/s and failure counts."""
+    pending = iter(calls)
+    outcomes: list[Any] = []
+
+    async def rollout() -> None:
+        for prompt, completion, row in pending:
+            outcomes.append(await runner.ascore(prompt, completion, [], [], row))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(rollout() for _ in range(CONCURRENCY)))
+    elapsed = time.perf_counter() - start
+    failed = sum(not o.ok for o in outcomes)
+    return {
+        "rewards": len(outcomes),
+        "seconds": elapsed,
+        "per_s": len(outcomes) / elapsed,
+        "failed": failed,
+        "mean_reward": _mean([o.reward for o in outcomes if o.ok]),
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def math_calls(n: int, symbolic: bool) -> list[tuple[str, str, dict]]:
+    calls = []
+    for i in range(n):
+        if symbolic:
+            completion = f"so the result is \\boxed{{\\frac{{{2 * i + 2}}}{{{4 * i + 4}}}}}"
+            calls.append(("q", completion, {"answer": "\\frac{1}{2}" if i % 2 else "\\frac{1}{3}"}))
+        else:
+            calls.append(("q", f"{i} + {i} = {2 * i}\n#### {2 * i:,}", {"answer": f"#### {2 * i}"}))
+    return calls
+
+
+def code_calls(n: int) -> list[tuple[str, str, dict]]:
+    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+    bad = "```python\ndef add(a, b):\n    return a - b\n```"
+    return [("q", good if i % 2 else bad, {"tests": tests}) for i in range(n)]
+
+
+def bench_math(n: int, n_symbolic: int) -> dict[str, Any]:
+    out = {}
+    with RewardRunner(gsm8k_reward, timeout_s=30) as runner:
+        out["math_numeric"] = asyncio.run(drive(runner, math_calls(n, symbolic=False)))
+    with RewardRunner(math_reward, timeout_s=60) as runner:
+        runner.score("q", "\\boxed{\\frac{1}{2}}", row={"answer": "0.5"})  # warm the pool
+        out["math_symbolic"] = asyncio.run(drive(runner, math_calls(n_symbolic, symbolic=True)))
+    return out
+
+
+def bench_code(n: int, settle_s: float) -> dict[str, Any]:
+    out = {}
+    limits = SandboxLimits(wall_s=20, cpu_s=5)
+    for name, pool_size in (("code_sandboxed", 8), ("code_cold", 0)):
+        with Sandbox(limits=limits, pool_size=pool_size, max_concurrency=CONCURRENCY) as box:
+            time.sleep(settle_s)  # let the warm pool fill, as in a running job
+            with RewardRunner(CodeReward(box), timeout_s=120) as runner:
+                out[name] = asyncio.run(drive(runner, code_calls(n)))
+    out["code_warm_vs_cold"] = out["code_sandboxed"]["per_s"] / out["code_cold"]["per_s"]
+    return out
+
+
+def build_classifier(path: Path) -> str:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from nexrl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
+    Qwen2ForSequenceClassification(config).save_pretrained(str(path))
+    return str(path)
+
+
+def bench_reward_model(n: int, tmp: Path) -> dict[str, Any]:
+    from nexrl.rewards.reward_model import RewardModelScorer
+
+    path = build_classifier(tmp / "rm")
+    calls = [("question: what is 2+2? answer: ", "4" * (8 + i % 32), {}) for i in range(n)]
+    out = {}
+    for name, batch in (("reward_model", 32), ("reward_model_unbatched", 1)):
+        scorer = RewardModelScorer(path, batch_size=batch, max_wait_s=0.005)
+        try:
+            with RewardRunner(scorer, timeout_s=120) as runner:
+                out[name] = asyncio.run(drive(runner, calls))
+            out[name]["forwards"] = scorer.stats["forwards"]
+        finally:
+            scorer.close()
+    out["rm_batched_vs_unbatched"] = (
+        out["reward_model"]["per_s"] / out["reward_model_unbatched"]["per_s"]
+    )
+    return out
+
+
+def bench_judge(n: int) -> dict[str, Any]:
+    import httpx
+
+    from nexrl.models.tiny import default_model_path
+    from nexrl.rewards.judge import JudgeConfig, JudgeReward
+    from nexrl.training.parallel import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "nexrl.cli",
+        "serve",
+        "--model",
+        str(default_model_path()),
+        "--port",
+        str(port),
+        "--max-batch",
+        "64",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("nexrl serve did not start")
+            time.sleep(0.5)
+        judge = JudgeReward(JudgeConfig(base_url=url + "/v1", chat=False, max_tokens=8))
+        try:
+            with RewardRunner(judge, timeout_s=120) as runner:
+                calls = [(f"question {i}", "answer", {}) for i in range(n)]
+                result = asyncio.run(drive(runner, calls))
+            result["judge_stats"] = dict(judge.stats)
+        finally:
+            judge.close()
+        result["per_s_completed"] = (judge.stats["parsed"] + judge.stats["unparseable"]) / result[
+            "seconds"
+        ]
+        return {"judge": result}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def write(results: dict[str, Any], out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        f"# Rewards/s under {CONCURRENCY} concurrent rollouts",
+        "",
+        f"CPU: {results['cpu']}  ",
+        f"Command: `{results['command']}`",
+        "",
+        "| reward | rewards | seconds | rewards/s | failed | mean reward |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results["figures"].items():
+        if isinstance(r, dict):
+            lines.append(
+                f"| {name} | {r['rewards']} | {r['seconds']:.2f} | {r['per_s']:.1f} | "
+                f"{r['failed']} | {r['mean_reward']:.3f} |"
+            )
+    lines.append("")
+    for name, r in results["figures"].items():
+        if not isinstance(r, dict):
+            lines.append(f"{name}: {r:.2f}")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny counts, no judge server")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    n_math, n_sym, n_code, n_rm, n_judge = (
+        (16, 8, 8, 16, 0)
+        if args.smoke
+        else (
+            2000,
+            400,
+            256,
+            1024,
+            256,
+        )
+    )
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        figures.update(bench_math(n_math, n_sym))
+        figures.update(bench_code(n_code, settle_s=0.2 if args.smoke else 2.0))
+        figures.update(bench_reward_model(n_rm, Path(tmp)))
+    if n_judge:
+        figures.update(bench_judge(n_judge))
+    results = {
+        "cpu": cpu_model(),
+        "command": " ".join(
+            [
+                Path(sys.argv[0]).name if argv is None else "bench_rewards.py",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        "concurrency": CONCURRENCY,
+        "figures": figures,
+    }
+    write(results, args.out, "rewards_smoke" if args.smoke else "rewards")
+    for name, r in figures.items():
+        print(f"{name}: {r['per_s']:.1f}/s" if isinstance(r, dict) else f"{name}: {r:.2f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
