@@ -207,11 +207,12 @@ def create_app(
                 f"(max_model_len), but the request has {len(ids)} input tokens (at least one "
                 "must be left to generate)",
             )
-        if max_tokens is not None and max_tokens > max_len:
+        if max_tokens is not None and max_tokens > max_len - len(ids):
             raise APIError(
                 400,
-                f"max_tokens: {max_tokens} is more than the model's maximum context length "
-                f"({max_len} tokens); generation stops at the context end anyway",
+                f"max_tokens: {max_tokens} is too large: this model's maximum context length is "
+                f"{max_len} tokens and the request has {len(ids)} input tokens "
+                f"({max_tokens} > {max_len} - {len(ids)})",
             )
 
     @app.post("/v1/completions")
