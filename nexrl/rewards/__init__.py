@@ -5,6 +5,14 @@ import path "pkg.module:function" for user code. `row` is the dataset row
 (e.g. `answer`), so a reward needs no framework object. A reward that raises
 is NOT turned into 0 here: the exception propagates and the rollout worker
 reports and counts it (a silent 0 would look like a learnable signal).
+
+Around the functions (docs/rewards.md):
+- `runner.RewardRunner`: both signatures (also the seed's
+  `reward_fn(prompt, completion, prompt_ids, completion_ids, **kwargs)`), sync
+  or async, timeouts, an optional process pool, failures as outcomes;
+- `math` (numeric + math-verify), `code` (unit tests in `sandbox.Sandbox`,
+  bubblewrap), `judge.JudgeReward` (an LLM over an OpenAI-compatible server),
+  `reward_model.RewardModelScorer` (HF sequence classifier, batched).
 """
 
 from __future__ import annotations

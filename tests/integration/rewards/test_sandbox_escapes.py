@@ -107,23 +107,32 @@ def test_cannot_read_outside(sandbox) -> None:
 
 
 def test_cannot_write_outside(sandbox, tmp_path) -> None:
-    target = tmp_path / "owned.txt"
-    result = run(
-        sandbox,
-        f"""
-        for path in [{str(target)!r}, "/usr/owned.txt", "/bin/owned", {str(REPO_FILE)!r}]:
-            try:
-                open(path, "w").write("x"); print("WROTE", path)
-            except OSError as exc:
-                print("denied", path, type(exc).__name__)
-        open("/tmp/inside.txt", "w").write("fine")   # the private tmpfs is writable
-        print("tmp ok")
-        """,
-    )
-    assert result.exit_code == 0, result.stderr
-    assert "WROTE" not in result.stdout and "tmp ok" in result.stdout
-    assert list(tmp_path.iterdir()) == [] and not Path("/usr/owned.txt").exists()
-    assert not Path("/tmp/inside.txt").exists()
+    canary = tmp_path / "canary.txt"
+    canary.write_text("original")
+    new_files = [tmp_path / "owned.txt", Path("/usr/owned.txt"), REPO_FILE.parent / "owned.txt"]
+    targets = [str(canary), *map(str, new_files)]
+    inside = f"/tmp/nexrl-inside-{os.getpid()}-{time.monotonic_ns()}.txt"
+    try:
+        result = run(
+            sandbox,
+            f"""
+            for path in {targets!r}:
+                try:
+                    open(path, "w").write("x"); print("WROTE", path)
+                except OSError as exc:
+                    print("denied", path, type(exc).__name__)
+            open({inside!r}, "w").write("fine")   # the private tmpfs is writable
+            print("tmp ok")
+            """,
+        )
+        assert result.exit_code == 0, result.stderr
+        assert "WROTE" not in result.stdout and "tmp ok" in result.stdout
+        assert canary.read_text() == "original"
+        assert not any(f.exists() for f in new_files)
+        assert not Path(inside).exists()
+    finally:  # if isolation were broken, leave no trace on the host
+        for f in [*new_files, Path(inside)]:
+            f.unlink(missing_ok=True)
 
 
 def test_tmpfs_is_size_capped(sandbox) -> None:
