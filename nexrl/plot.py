@@ -22,28 +22,42 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Panel:
-    """One plot: a file name, a title and the metric keys it draws (when present)."""
+    """One plot: a file name, a title, the metric keys drawn as lines (when present),
+    an optional (low, high) pair drawn as a shaded band, and keys on a right-hand axis
+    (a second unit)."""
 
     name: str
     title: str
     keys: tuple[str, ...]
     ylabel: str
+    band: tuple[str, str] | None = None
+    right: tuple[str, ...] = ()
+    integer: bool = False
 
 
 PANELS = (
-    Panel("reward", "Train reward", ("reward/mean", "reward/max", "reward/min"), "reward"),
+    Panel(
+        "reward",
+        "Train reward (band: min-max)",
+        ("reward/mean",),
+        "reward",
+        band=("reward/min", "reward/max"),
+    ),
     Panel("validation", "Validation", ("val/reward",), "reward"),
     Panel(
         "staleness",
-        "Staleness (train step - oldest token version)",
-        ("staleness/mean", "staleness/max", "staleness/min"),
+        "Staleness (train step - oldest token version; band: min-max)",
+        ("staleness/mean",),
         "steps",
+        band=("staleness/min", "staleness/max"),
+        integer=True,
     ),
     Panel(
         "throughput",
         "Throughput",
-        ("throughput/tokens_per_s", "throughput/samples_per_s"),
-        "per second",
+        ("throughput/tokens_per_s",),
+        "tokens / s",
+        right=("throughput/samples_per_s",),
     ),
 )
 
@@ -75,22 +89,75 @@ def read_metrics(path: str | Path) -> Series:
     return {key: sorted(points.items()) for key, points in by_key.items()}
 
 
-def _draw(ax: Any, panel: Panel, series: Series) -> bool:
+def _smooth(values: list[float]) -> list[float]:
+    """Trailing moving average over ~2% of the points (noisy per-step series)."""
+    window = max(1, len(values) // 50)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _lines(
+    ax: Any, keys: tuple[str, ...], series: Series, colors: Any, dashed: bool = False
+) -> bool:
     drawn = False
-    for key in panel.keys:
+    for key in keys:
         points = series.get(key)
         if not points:
             continue
         steps, values = zip(*points, strict=True)
-        style = "o-" if len(points) < 30 else "-"
-        ax.plot(steps, values, style, label=key, markersize=3, linewidth=1.2)
+        color = next(colors)
+        if len(points) < 30:
+            ax.plot(steps, values, "o-", color=color, label=key, markersize=3, linewidth=1.2)
+        elif dashed:  # a second axis over the first: the smoothed line only
+            ax.plot(steps, _smooth(list(values)), "--", color=color, label=key, linewidth=1.2)
+        else:
+            ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+            ax.plot(steps, _smooth(list(values)), color=color, label=key, linewidth=1.5)
+        drawn = True
+    return drawn
+
+
+def _draw(ax: Any, panel: Panel, series: Series) -> bool:
+    colors = iter(["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"])
+    drawn = False
+    if panel.band and all(series.get(k) for k in panel.band):
+        low, high = (dict(series[k]) for k in panel.band)
+        steps = sorted(set(low) & set(high))
+        ax.fill_between(
+            steps,
+            [low[s] for s in steps],
+            [high[s] for s in steps],
+            color="tab:blue",
+            alpha=0.15,
+            linewidth=0,
+            label=" - ".join(panel.band),
+        )
+        drawn = True
+    drawn = _lines(ax, panel.keys, series, colors) or drawn
+    handles, labels = ax.get_legend_handles_labels()
+    if panel.right and any(series.get(k) for k in panel.right):
+        twin = ax.twinx()
+        next(colors)
+        _lines(twin, panel.right, series, colors, dashed=True)
+        twin.set_ylabel(" / ".join(k.rsplit("/", 1)[-1] for k in panel.right))
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
         drawn = True
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
     ax.grid(alpha=0.3)
+    if panel.integer:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        low, high = ax.get_ylim()
+        ax.set_ylim(min(low, -0.5), max(high, 1.5))  # a sync run is all zeros
     if drawn:
-        ax.legend(fontsize=8)
+        ax.legend(handles, labels, fontsize=8)
     else:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     return drawn

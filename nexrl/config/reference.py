@@ -11,8 +11,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import typing
 from typing import Any
+
+import yaml
 
 from nexrl.config import schema
 
@@ -29,47 +32,118 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
-        return None if dataclasses.is_dataclass(value) else value
-    return None
+def show(value: Any) -> str:
+    """A default as you would write it in yaml or on the command line: `null`, `true`,
+    `sync`, `[jsonl, console]`, `{}`; `yaml.safe_load` of the text gives the value back."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value if value and yaml.safe_load(value) == value else json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
-def _rows(cls: type, prefix: str) -> list[str]:
+def _rows(section: Any, prefix: str) -> list[str]:
+    """Rows for one section *instance*, so a section built by a `default_factory` with
+    its own values (`validate.data` is a `DataConfig` with `split="validation"`,
+    `shuffle=False`, `num_epochs=1`) shows those, not the class defaults."""
+    cls = type(section)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rows, nested = [], []
     for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            nested.append((kind, f"{prefix}{f.name}."))
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(hints[f.name]) and dataclasses.is_dataclass(value):
+            nested.append((value, f"{prefix}{f.name}."))
             continue
-        default = _default(f)
-        shown = "null" if default is None else repr(default)
-        rows.append(f"| `{prefix}{f.name}` | `{shown}` | {docs.get(f.name, '')} |")
-    for kind, sub in nested:
-        rows.extend(_rows(kind, sub))
+        rows.append(f"| `{prefix}{f.name}` | `{show(value)}` | {docs.get(f.name, '')} |")
+    for value, sub in nested:
+        rows.extend(_rows(value, sub))
     return rows
+
+
+def schema_defaults() -> dict[str, Any]:
+    """{dotted key: schema default} for every leaf key, as the page shows them."""
+    out: dict[str, Any] = {}
+
+    def walk(section: Any, prefix: str) -> None:
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                out[prefix + f.name] = value
+
+    walk(schema.RLTrainConfig(), "")
+    return out
+
+
+HEAD = """# Configuration reference
+
+Generated from `nexrl/config/schema.py` by `python -m nexrl.config.reference`;
+a test fails when this page and the schema disagree. Values below are the schema
+defaults; `nexrl/config/rl_train.yaml` sets the embedded default run on top of them
+(`nexrl train --cfg` prints the composed result).
+
+## Setting keys
+
+On the command line (Hydra override syntax), any number of `key=value`:
+
+```bash
+nexrl train train_worker.total_train_steps=20 rollout_worker.group_size=4
+nexrl train --cfg trajectory_pool.batch_size=64
+```
+
+`--cfg` (or `--print-config`) prints the composed config and exits without
+training. A key the schema does not declare fails before anything runs, naming
+the closest real keys (`unknown config key 'train_worker.totl_train_steps'; did
+you mean 'train_worker.total_train_steps'?`), with or without a leading `+`.
+Only inside the free-form dicts (`algorithm.loss_kwargs`,
+`algorithm.advantage_kwargs`, `service.inference_service.engine`, `ray.*` maps) a
+new key takes a `+`: `nexrl train +algorithm.loss_kwargs.kl_coef=0.1`.
+
+## Your own recipe
+
+A recipe is a yaml file in any folder that starts from the packaged default and
+sets what differs:
+
+```yaml
+defaults: [rl_train, _self_]
+experiment_name: my_recipe
+rollout_worker:
+  group_size: 8
+trajectory_pool:
+  batch_size: 64
+weight:
+  sync_mode: fully-async
+  staleness_threshold: 1
+```
+
+```bash
+nexrl train --config-dir recipes --config-name my_recipe seed=1
+nexrl train --config-name recipes/my_recipe.yaml --cfg
+```
+
+`--config-dir DIR --config-name NAME` reads `DIR/NAME.yaml`; a `--config-name`
+that ends in `.yaml` is a path. Command-line keys apply on top of the recipe.
+Unknown keys in the file fail the same way as on the command line.
+
+## Every key
+"""
 
 
 def render() -> str:
     head = [
-        "# Configuration reference",
-        "",
-        "Generated from `nexrl/config/schema.py` by `python -m nexrl.config.reference`;",
-        "a test fails when this page and the schema disagree. Values below are the schema",
-        "defaults; `nexrl/config/rl_train.yaml` sets the embedded default run on top of them.",
-        "Override any key on the command line: `nexrl train train_worker.total_train_steps=20`.",
-        "Keys inside free-form dicts (`loss_kwargs`, `advantage_kwargs`) take a `+`:",
-        "`nexrl train +algorithm.loss_kwargs.kl_coef=0.1`.",
-        "",
+        HEAD,
         "| key | default | meaning |",
         "| --- | --- | --- |",
     ]
-    return "\n".join(head + _rows(schema.RLTrainConfig, "")) + "\n"
+    return "\n".join(head + _rows(schema.RLTrainConfig(), "")) + "\n"
 
 
 if __name__ == "__main__":

@@ -56,10 +56,13 @@ def suggest(key: str, candidates: tuple[str, ...] | None = None) -> list[str]:
     """Up to three known keys close to `key`: whole dotted key, then the last part
     within the same section (`train_worker.totl_steps` -> `...total_train_steps`)."""
     candidates = schema_keys() if candidates is None else candidates
+    found = difflib.get_close_matches(key, candidates, n=3, cutoff=0.8)
+    if found:
+        return found
     found = difflib.get_close_matches(key, candidates, n=3, cutoff=0.6)
     section, _, leaf = key.rpartition(".")
     siblings = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == section}
-    for name in difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.5):
+    for name in difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.6):
         if siblings[name] not in found:
             found.append(siblings[name])
     return found[:3]

@@ -56,6 +56,7 @@ class ConsoleBackend:
         self.total_steps: int | None = None
         self._first: tuple[int, float] | None = None
         self._latest: dict[str, Any] = {}
+        self._printed: int | None = None  # last step a plain line was printed for
         self._progress: Progress | None = None
         self._task: TaskID | None = None
 
@@ -90,7 +91,10 @@ class ConsoleBackend:
 
         now = time.monotonic()
         if not self.live:
-            self._console.print(self.format_line(data, step, now), markup=False)
+            shown = any(key in data for key in self._keys)
+            if shown or self._printed is None or step > self._printed:  # no bare repeats
+                self._console.print(self.format_line(data, step, now), markup=False)
+                self._printed = step
             return
         status = self.format_status(data, step, now)
         if self._progress is None:

@@ -36,6 +36,7 @@ def test_not_a_terminal_prints_one_plain_line_per_post() -> None:
     backend.total_steps = 4
     backend.log({"reward/mean": 0.25, "throughput/samples_per_s": 1200.0}, step=1)
     backend.log({"val/reward": 0.5}, step=1)
+    backend.log({"ledger/tasks_in": 3}, step=1)  # nothing to show at a printed step
     backend.close()
     lines = out.getvalue().splitlines()
     assert lines == [
