@@ -195,7 +195,11 @@ def create_app(
 
     gen = _Generation(engine, metrics, model_name)
 
-    def check_lengths(ids: list[int], max_tokens: int | None, field: str) -> None:
+    max_batch = getattr(engine, "max_batch_size", None)
+
+    def check_lengths(ids: list[int], max_tokens: int | None, field: str, n: int = 1) -> None:
+        if max_batch is not None and n > max_batch:
+            raise APIError(400, f"n: {n} is more than this server's max batch size ({max_batch})")
         if max_tokens is not None and max_tokens < 0:
             raise APIError(400, f"max_tokens: must be >= 0 (max_new_tokens), got {max_tokens}")
         if max_len is None:
@@ -221,7 +225,7 @@ def create_app(
         _check_logprobs("logprobs", body.logprobs, max_logprobs)
         prompts = _prompt_batch(body.prompt, tokenizer, vocab)
         for ids in prompts:
-            check_lengths(ids, body.max_tokens, "prompt")
+            check_lengths(ids, body.max_tokens, "prompt", body.n)
 
         def default_max(ids: list[int]) -> int:
             return 16 if max_len is None else min(16, max(max_len - len(ids), 0))
@@ -251,7 +255,7 @@ def create_app(
         ids = _render(tokenizer, messages, body.tools)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        check_lengths(ids, body.max_tokens, "messages")
+        check_lengths(ids, body.max_tokens, "messages", body.n)
         default_max = max((max_len or len(ids) + 16) - len(ids), 0)
         if body.stream:
             if use_parser is not None:

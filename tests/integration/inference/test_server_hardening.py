@@ -79,6 +79,7 @@ ABUSE = {
     "negative temperature": (chat(temperature=-1), "temperature"),
     "top_p of 0": (chat(top_p=0), "top_p"),
     "n of 0": (completion(n=0), "n: Input should be greater than or equal to 1"),
+    "n beyond the batch": (chat(n=10**6), "n: 1000000 is more than this server's max batch"),
     "unknown weight-update field": (
         ("/update_weights_from_disk", {"model_path": "/x", "flush_cach": True}),
         "flush_cach: Extra inputs are not permitted",
