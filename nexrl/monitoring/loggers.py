@@ -37,6 +37,7 @@ __all__ = [
     "ExperimentLogger",
     "parse_backends",
     "sample_rows",
+    "with_staleness",
 ]
 
 SAMPLE_COLUMNS = ("prompt", "response", "reward", "version", "staleness")
@@ -110,6 +111,18 @@ def sample_rows(
             }
         )
     return rows
+
+
+def with_staleness(rows: list[dict[str, Any]], trained_version: int) -> list[dict[str, Any]]:
+    """Copies of `rows` with `staleness = trained_version - version`: rows built where the
+    trained version is not known yet (the algorithm processor) get it at train time."""
+    return [
+        {
+            **row,
+            "staleness": None if row.get("version") is None else trained_version - row["version"],
+        }
+        for row in rows
+    ]
 
 
 def _table(rows: list[dict[str, Any]]) -> list[list[Any]]:

@@ -62,3 +62,49 @@ def test_terminal_shows_a_bar_with_latest_metrics_rate_and_eta() -> None:
     text = out.getvalue()
     assert "step 7/10" in text and "━" in text  # the bar itself
     assert "reward/mean 0.8" in text and "throughput/samples_per_s 900" in text
+
+
+SCRIPT = """
+from nexrl.monitoring import ExperimentLogger
+log = ExperimentLogger(backends="console", total_steps=3)
+for step in (1, 2, 3):
+    log.post("metrics", data={"reward/mean": step / 4, "throughput/samples_per_s": 50.0}, step=step)
+log.close()
+"""
+
+
+def _run_console_script(terminal: bool) -> str:
+    """The console backend in a child process whose stdout is a pseudo-terminal or a pipe."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    if not terminal:
+        proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+    parent, child = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=child, stderr=child, env=env)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(parent, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(parent)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_a_real_terminal_gets_the_bar_and_a_pipe_gets_plain_lines() -> None:
+    on_tty = _run_console_script(terminal=True)
+    assert "━" in on_tty and "step 3/3" in on_tty and "\x1b[" in on_tty
+    piped = _run_console_script(terminal=False)
+    assert piped.splitlines()[0] == "step 1/3 | reward/mean 0.25 | throughput/samples_per_s 50"
+    assert "━" not in piped and "\x1b[" not in piped

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nexrl.monitoring import ExperimentLogger
-from nexrl.monitoring.loggers import SAMPLE_COLUMNS, sample_rows
+from nexrl.monitoring.loggers import SAMPLE_COLUMNS, sample_rows, with_staleness
 
 CONFIG = {"seed": 3, "algorithm": {"loss_fn": "ppo_clip"}, "weight": {"validate_freq": 25}}
 ROWS = [
@@ -47,6 +47,8 @@ def test_sample_rows_from_trajectories() -> None:
     assert [r["staleness"] for r in rows] == [3, 0, None]
     assert rows[0] == {"prompt": "a", "response": "b", "reward": 1.0, "version": 2, "staleness": 3}
     assert len(sample_rows(trajs, None, limit=1)) == 1
+    later = with_staleness(sample_rows(trajs, None, limit=3), trained_version=7)
+    assert [r["staleness"] for r in later] == [5, 2, None]
 
 
 def test_jsonl_samples_follow_sample_every_and_resume_appends(tmp_path) -> None:
