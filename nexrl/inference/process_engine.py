@@ -9,29 +9,43 @@ the engine process over a `multiprocessing` pipe with JSON messages (orjson; no
 pickle of request data):
 
     parent -> child  {"id", "op": "generate" | "update_weights" | "pause" | "resume" |
-                      "abort" | "stats" | "shutdown", ...}
+                      "abort" | "stats" | "ping" | "shutdown", ...}
     child -> parent  {"id", "result": ...} or {"id", "error": {"type", "message"}}
                      or, before the result of a streaming "generate",
                      {"id", "token": [sample_index, token_id, logprob, version]} per token
+                     or, just before it exits after running out of memory, {"fatal": why}
 
-A reader thread in the parent resolves one `Future` per message id.
+A reader thread per child resolves one `Future` per message id; a watchdog
+thread pings the child and restarts it when it dies or hangs (`ProcessEngine`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing as mp
+import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from nexrl.inference.health import (
+    OOM_EXIT_CODE,
+    EngineDeadError,
+    EngineRestartedError,
+    RestartBudget,
+    describe_exit,
+    is_oom,
+)
 from nexrl.inference.protocol import (
     GenerationOutput,
     GenerationRequest,
@@ -42,41 +56,275 @@ from nexrl.inference.protocol import (
 )
 
 _ERRORS = {"ValueError": ValueError, "KeyError": KeyError, "FileNotFoundError": FileNotFoundError}
+_REPLAYED_OPS = ("generate", "update_weights", "pause", "resume", "abort", "stats")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    proc: Any
+    conn: Any
+    fatal: str | None = None  # what the child said before it stopped itself (OOM)
+
+
+@dataclass
+class _Call:
+    """One message awaiting its answer; replayed to a restarted engine when it can be."""
+
+    op: str
+    body: dict[str, Any]
+    future: Future
+    convert: Callable[[Any], Any] | None = None
+    on_token: TokenCallback | None = None
+    attempts: int = 0
+    streamed: bool = False
+    child: _Child | None = None  # set for internal calls (pings, restore): never replayed
 
 
 class ProcessEngine:
-    """`InferenceEngine` whose `Engine` runs in a spawned child process."""
+    """`InferenceEngine` whose `Engine` runs in a spawned child process, restarted on faults.
+
+    Fault handling (see docs/reliability.md): a watchdog pings the child every
+    `health_interval_s`; a child that exited (killed, out of memory) or did not
+    answer within `health_timeout_s` (hung) is killed and replaced. The new child
+    loads the last weights pushed (a private hard-linked snapshot, so a trainer
+    rewriting its export folder cannot change them) with their version, is paused
+    if the engine was, and gets every unanswered request again, at most
+    `max_request_retries` times each; a request whose tokens were already
+    streamed fails with the retryable `EngineRestartedError` instead. More than
+    `max_restarts` restarts within `restart_window_s` leave the engine down
+    (`EngineDeadError`).
+    """
 
     supports_streaming = True
 
-    def __init__(self, model_path: str | Path | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 30.0,
+        max_restarts: int = 3,
+        restart_window_s: float = 600.0,
+        max_request_retries: int = 1,
+        **options: Any,
+    ) -> None:
         from transformers import AutoTokenizer
 
         if model_path is None:
             from nexrl.models.tiny import default_model_path
 
             model_path = default_model_path()
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_child_main, args=(child, str(model_path), options), daemon=True
+        self.model_path = str(model_path)
+        self._options = options
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.max_request_retries = max_request_retries
+        self._budget = RestartBudget(max_restarts, restart_window_s)
+        self._lock = threading.RLock()  # guards _child, _calls, _dead
+        self._restart_lock = threading.Lock()  # one restart at a time
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count()
+        self._weights: tuple[int, str] | None = None  # (version, private snapshot folder)
+        self._weights_root = Path(tempfile.mkdtemp(prefix="nexrl-engine-weights-"))
+        self._paused = False
+        self._dead: str | None = None
+        self._closing = False
+        self.restarts = 0
+        self.restart_reasons: list[str] = []
+        self._version = 0
+        self._stop = threading.Event()
+        self._child = self._spawn()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self._watchdog = threading.Thread(
+            target=self._watch, name="nexrl-engine-watch", daemon=True
         )
-        self._proc.start()
-        child.close()
-        info = orjson.loads(self._conn.recv_bytes())
+        self._watchdog.start()
+
+    # -- child lifecycle ------------------------------------------------------------------
+    def _spawn(self) -> _Child:
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(
+            target=_child_main, args=(child_conn, self.model_path, dict(self._options)), daemon=True
+        )
+        proc.start()
+        child_conn.close()
+        try:
+            info = orjson.loads(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            proc.join(timeout=5)
+            raise RuntimeError(
+                f"engine process died while starting: {describe_exit(proc.exitcode)}"
+            ) from exc
         if "error" in info:
             raise RuntimeError(f"engine process failed to start: {info['error']}")
-        self.model_path = str(model_path)
         self.max_model_len, self.max_batch_size = info["max_model_len"], info["max_batch_size"]
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self._version = 0
-        self._ids = itertools.count()
-        self._futures: dict[int, tuple[Future, Callable[[Any], Any] | None]] = {}
-        self._streams: dict[int, TokenCallback] = {}
-        self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name="nexrl-engine-ipc", daemon=True)
-        self._reader.start()
+        child = _Child(proc, conn)
+        threading.Thread(
+            target=self._read, args=(child,), name="nexrl-engine-ipc", daemon=True
+        ).start()
+        return child
 
+    @property
+    def pid(self) -> int:
+        """Process id of the current engine process (changes on restart)."""
+        return self._child.proc.pid
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            with self._lock:
+                child = self._child
+            if self._dead or self._closing:
+                return
+            reason = self.probe(child)
+            if reason is not None:
+                self._restart(child, reason)
+
+    def probe(self, child: _Child | None = None) -> str | None:
+        """None if the engine process is alive and answers a ping in time, else what is wrong."""
+        child = child or self._child
+        if not child.proc.is_alive():
+            return child.fatal or describe_exit(child.proc.exitcode)
+        future = self._send("ping", child=child)
+        try:
+            future.result(timeout=self.health_timeout_s)
+        except FutureTimeout:
+            return f"no answer to a health check within {self.health_timeout_s:g} s (hung)"
+        except Exception as exc:  # the child died under the ping
+            return child.fatal or f"{describe_exit(child.proc.exitcode)} ({exc})"
+        return None
+
+    def _restart(self, old: _Child, reason: str) -> None:
+        with self._restart_lock:
+            if self._child is not old or self._dead or self._closing:
+                return  # someone else restarted it already (reader and watchdog both saw it)
+            if old.proc.is_alive():
+                old.proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+            old.proc.join(timeout=10)
+            reason = old.fatal or reason
+            if not self._budget.take():
+                self._give_up(f"engine process {reason}; restart budget spent")
+                return
+            logger.warning("engine process %s; restarting it", reason)
+            try:
+                child = self._spawn()
+                self._restore(child)
+            except Exception as exc:  # a replacement that cannot start ends the engine
+                self._give_up(f"engine process {reason}; restart failed: {exc}")
+                return
+            self.restarts += 1
+            self.restart_reasons.append(reason)
+            with self._lock:
+                self._child = child
+                calls = sorted(self._calls.items())
+            self._replay(child, calls, reason)
+
+    def _restore(self, child: _Child) -> None:
+        """Bring a fresh child to the state callers expect: weights, version, paused."""
+        limit = self.health_timeout_s * 10
+        if self._weights is not None:
+            version, path = self._weights
+            self._send("update_weights", child=child, version=version, path=path).result(limit)
+        if self._paused:
+            self._send("pause", child=child).result(limit)
+
+    def _replay(self, child: _Child, calls: list[tuple[int, _Call]], reason: str) -> None:
+        for msg_id, call in calls:
+            if call.op not in _REPLAYED_OPS or call.child is not None:
+                continue
+            if call.op == "generate" and (
+                call.streamed or call.attempts >= self.max_request_retries
+            ):
+                self._finish(msg_id, exc=EngineRestartedError(f"engine process {reason}"))
+                continue
+            call.attempts += 1
+            self._write(child, msg_id, call)
+
+    def _give_up(self, reason: str) -> None:
+        logger.error("%s; the engine stays down", reason)
+        with self._lock:
+            self._dead = reason
+            calls = list(self._calls)
+        for msg_id in calls:
+            self._finish(msg_id, exc=EngineDeadError(reason))
+
+    # -- messages -------------------------------------------------------------------------
+    def _send(
+        self,
+        op: str,
+        on_token: TokenCallback | None = None,
+        convert: Callable[[Any], Any] | None = None,
+        child: _Child | None = None,
+        **body: Any,
+    ) -> Future:
+        """Send one message; the future resolves to its result (passed through `convert`).
+
+        With `child`, an internal call to that very process (ping, restore step):
+        never replayed, failed when that process goes away.
+        """
+        future: Future = Future()
+        if self._dead:
+            future.set_exception(EngineDeadError(self._dead))
+            return future
+        msg_id = next(self._ids)
+        call = _Call(op, body, future, convert, on_token, child=child)
+        with self._lock:  # register and pick the target together (see _restart)
+            self._calls[msg_id] = call
+            target = child or self._child
+        self._write(target, msg_id, call)
+        return future
+
+    def _write(self, child: _Child, msg_id: int, call: _Call) -> None:
+        try:
+            with self._lock:
+                child.conn.send_bytes(orjson.dumps({"id": msg_id, "op": call.op, **call.body}))
+        except (OSError, ValueError):  # a dead child: the restart replays this call
+            if call.child is not None:
+                self._finish(msg_id, exc=RuntimeError("engine process exited"))
+
+    def _call(self, op: str, **body: Any) -> Any:
+        return self._send(op, **body).result()
+
+    def _finish(self, msg_id: int, result: Any = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            call = self._calls.pop(msg_id, None)
+        if call is None or call.future.done():
+            return
+        if exc is not None:
+            call.future.set_exception(exc)
+        else:
+            call.future.set_result(result if call.convert is None else call.convert(result))
+
+    def _read(self, child: _Child) -> None:
+        while True:
+            try:
+                msg = orjson.loads(child.conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if "fatal" in msg:
+                child.fatal = msg["fatal"]
+                continue
+            call = self._calls.get(msg["id"])
+            if "token" in msg:
+                if call is not None and call.on_token is not None:
+                    call.streamed = True
+                    call.on_token(*msg["token"])
+                continue
+            if "error" in msg:
+                err = msg["error"]
+                self._finish(msg["id"], exc=_ERRORS.get(err["type"], RuntimeError)(err["message"]))
+            else:
+                self._finish(msg["id"], msg["result"])
+        child.proc.join(timeout=5)
+        with self._lock:
+            orphans = [i for i, c in self._calls.items() if c.child is child]
+        for msg_id in orphans:  # pings and restore steps sent to this child
+            self._finish(msg_id, exc=RuntimeError("engine process exited"))
+        if not self._closing:
+            self._restart(child, child.fatal or describe_exit(child.proc.exitcode))
+
+    # -- InferenceEngine ------------------------------------------------------------------
     @property
     def version(self) -> int:
         return self._version
@@ -84,45 +332,6 @@ class ProcessEngine:
     @property
     def stats(self) -> dict[str, int]:
         return self._call("stats")
-
-    def _send(
-        self,
-        op: str,
-        on_token: TokenCallback | None = None,
-        convert: Callable[[Any], Any] | None = None,
-        **body: Any,
-    ) -> Future:
-        """Send one message; the future resolves to its result (passed through `convert`)."""
-        future: Future = Future()
-        msg_id = next(self._ids)
-        self._futures[msg_id] = (future, convert)
-        if on_token is not None:
-            self._streams[msg_id] = on_token
-        with self._send_lock:
-            self._conn.send_bytes(orjson.dumps({"id": msg_id, "op": op, **body}))
-        return future
-
-    def _call(self, op: str, **body: Any) -> Any:
-        return self._send(op, **body).result()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = orjson.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            if "token" in msg:
-                self._streams[msg["id"]](*msg["token"])
-                continue
-            self._streams.pop(msg["id"], None)
-            future, convert = self._futures.pop(msg["id"])
-            if "error" in msg:
-                err = msg["error"]
-                future.set_exception(_ERRORS.get(err["type"], RuntimeError)(err["message"]))
-            else:
-                future.set_result(msg["result"] if convert is None else convert(msg["result"]))
-        for future, _ in self._futures.values():
-            future.set_exception(RuntimeError("engine process exited"))
 
     def submit(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> Future:
         """As `Engine.submit`; `on_token` runs on this process's pipe-reader thread."""
@@ -141,36 +350,71 @@ class ProcessEngine:
         return await asyncio.wrap_future(self.submit(request))
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """From a directory; an in-memory state dict goes through a temporary safetensors file."""
+        """Load `meta` (a folder or an in-memory state dict) from a private snapshot.
+
+        The snapshot (hard links, or a copy across filesystems) is what a restarted
+        engine loads again, labelled with `meta.version`.
+        """
+        snapshot = self._weights_root / f"v{meta.version}-{next(self._ids)}"
+        snapshot.mkdir()
         if meta.path is None and meta.state_dict is not None:
             from safetensors.torch import save_file
 
-            with tempfile.TemporaryDirectory() as tmp:
-                save_file(
-                    {k: v.contiguous() for k, v in meta.state_dict.items()}, f"{tmp}/w.safetensors"
-                )
-                self._call("update_weights", version=meta.version, path=tmp)
+            tensors = {k: v.contiguous() for k, v in meta.state_dict.items()}
+            save_file(tensors, str(snapshot / "model.safetensors"))
         else:
-            self._call("update_weights", version=meta.version, path=meta.path)
+            _link_tree(Path(meta.path), snapshot)
+        self._call("update_weights", version=meta.version, path=str(snapshot))
+        previous, self._weights = self._weights, (meta.version, str(snapshot))
         self._version = meta.version
+        if previous is not None:
+            shutil.rmtree(previous[1], ignore_errors=True)
 
     def pause(self) -> None:
         self._call("pause")
+        self._paused = True
 
     def resume(self) -> None:
         self._call("resume")
+        self._paused = False
 
     def abort(self, rid: str | None = None) -> None:
         self._call("abort", rid=rid)
 
     def health(self) -> bool:
-        return self._proc.is_alive()
+        return self._dead is None and self._child.proc.is_alive()
 
     def shutdown(self) -> None:
-        if self._proc.is_alive():
-            self._call("shutdown")
-            self._proc.join(timeout=30)
-        self._conn.close()
+        self._closing = True
+        self._stop.set()
+        child = self._child
+        if child.proc.is_alive() and not self._dead:
+            try:
+                self._send("shutdown", child=child).result(timeout=30)
+            except Exception:  # a hung child is killed below
+                logger.warning("engine process did not shut down cleanly; killing it")
+            child.proc.join(timeout=30)
+        if child.proc.is_alive():
+            child.proc.kill()
+            child.proc.join(timeout=10)
+        child.conn.close()
+        shutil.rmtree(self._weights_root, ignore_errors=True)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of `src` into `dst` (a copy where linking is not possible)."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"weight folder {src} does not exist")
+    for f in src.rglob("*"):
+        target = dst / f.relative_to(src)
+        if f.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
 
 
 def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
@@ -200,6 +444,8 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
             conn.send_bytes(orjson.dumps(body))
 
     def reply(msg_id: int, result: Any = None, exc: BaseException | None = None) -> None:
+        if exc is not None and is_oom(exc):
+            _die_of_oom(send, exc)
         if exc is not None:
             send({"id": msg_id, "error": {"type": type(exc).__name__, "message": str(exc)}})
         else:
@@ -211,11 +457,21 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
         except (EOFError, OSError):  # parent gone
             engine.shutdown()
             return
+        except MemoryError as exc:
+            _die_of_oom(send, exc)
         if msg["op"] == "shutdown":
             engine.shutdown()
             reply(msg["id"])
             return
         _handle(engine, msg, reply, send)
+
+
+def _die_of_oom(send, exc: BaseException) -> None:
+    """Out of memory leaves the engine in an unknown state: say so, then exit for a restart."""
+    try:
+        send({"fatal": f"ran out of memory ({type(exc).__name__}: {str(exc)[:200]})"})
+    finally:
+        os._exit(OOM_EXIT_CODE)
 
 
 def _handle(engine, msg: dict[str, Any], reply, send) -> None:
@@ -240,6 +496,8 @@ def _handle(engine, msg: dict[str, Any], reply, send) -> None:
             result = engine.abort(msg.get("rid"))
         elif op in ("pause", "resume"):
             result = getattr(engine, op)()
+        elif op == "ping":
+            result = True
         elif op == "stats":
             result = dict(getattr(engine, "stats", {}))
         else:

@@ -79,11 +79,19 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_hf(engine: TorchTrainEngine, path: str, state: dict[str, torch.Tensor]) -> None:
-    """Write `state` as an HF model directory plus the tokenizer (rank 0 only)."""
+    """Replace `path` with `state` as an HF model folder plus the tokenizer (rank 0 only).
+
+    Atomic (staging folder, then rename) but not fsync'd: this is the weight-sync
+    export, rewritten every step; a reader sees the old or the new weights, never
+    a mix, and an engine that hard-linked the old files keeps them intact.
+    """
     if engine.rank != 0:
         return
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(path, durable=False) as staging:
+        _write_hf_files(engine, staging, state)
+
+
+def _write_hf_files(engine: TorchTrainEngine, out: Path, state: dict[str, torch.Tensor]) -> None:
     engine.model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     for name in TOKENIZER_FILES:
         src = Path(engine.model_path) / name
@@ -103,7 +111,7 @@ def save(engine: TorchTrainEngine, path: str) -> None:
             "rng": _rng_state(),
         }
         with atomic_directory(path) as staging:
-            write_hf(engine, str(staging), state)
+            _write_hf_files(engine, staging, state)
             torch.save(trainer_state, staging / STATE_FILE)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -149,12 +157,15 @@ def load(engine: TorchTrainEngine, path: str) -> None:
 
 # -- atomic folders ------------------------------------------------------------------
 @contextlib.contextmanager
-def atomic_directory(final: str | Path, hash_files: bool = False) -> Iterator[Path]:
+def atomic_directory(
+    final: str | Path, hash_files: bool = False, durable: bool = True
+) -> Iterator[Path]:
     """Yield an empty staging folder beside `final`; on a clean exit seal and publish it.
 
     Usage: write every file of the checkpoint into the yielded folder inside the
     `with`; nothing appears at `final` until the block ends without an error, and
     then all of it appears at once. On an error the staging folder is removed.
+    `durable=False` skips the fsyncs (atomic against other readers, not power loss).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -162,18 +173,19 @@ def atomic_directory(final: str | Path, hash_files: bool = False) -> Iterator[Pa
     staging.mkdir()
     try:
         yield staging
-        seal(staging, hash_files=hash_files)
+        seal(staging, hash_files=hash_files, durable=durable)
         publish(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def seal(folder: Path, hash_files: bool = False) -> dict[str, Any]:
+def seal(folder: Path, hash_files: bool = False, durable: bool = True) -> dict[str, Any]:
     """fsync every file of `folder`, then write the `COMPLETE` manifest (sizes, opt. sha256)."""
     files: dict[str, dict[str, Any]] = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE_FILE):
-        _fsync_file(f)
+        if durable:
+            _fsync_file(f)
         entry: dict[str, Any] = {"size": f.stat().st_size}
         if hash_files:
             entry["sha256"] = _sha256(f)
@@ -181,8 +193,9 @@ def seal(folder: Path, hash_files: bool = False) -> dict[str, Any]:
     manifest = {"format": MANIFEST_FORMAT, "saved_at": time.time(), "files": files}
     marker = folder / COMPLETE_FILE
     marker.write_text(json.dumps(manifest, indent=1))
-    _fsync_file(marker)
-    _fsync_dir(folder)
+    if durable:
+        _fsync_file(marker)
+        _fsync_dir(folder)
     return manifest
 
 

@@ -84,3 +84,25 @@ def test_atomic_directory_publishes_all_or_nothing(tmp_path):
         (staging / "b.bin").write_bytes(b"y")
     assert sorted(p.name for p in final.iterdir()) == ["COMPLETE", "b.bin"]
     assert [p.name for p in tmp_path.iterdir()] == ["global_step_2"]
+
+
+def test_weight_export_is_replaced_whole(tiny_model, tmp_path):
+    engine = TorchTrainEngine({"lr": 1e-2}, tiny_model)
+    export = tmp_path / "sync_weights"
+    engine.export_weights(str(export))
+    before = (export / "model.safetensors").read_bytes()
+    (export / "stale.bin").write_bytes(b"from an older export")
+    run_one_step(engine)
+    engine.export_weights(str(export))
+    assert checkpoint.verify_checkpoint(export) is None
+    assert not (export / "stale.bin").exists()  # a new folder, not files written over the old
+    assert (export / "model.safetensors").read_bytes() != before
+    assert [p.name for p in tmp_path.iterdir()] == ["sync_weights"]
+
+
+def run_one_step(engine: TorchTrainEngine) -> None:
+    from nexrl.training.synthetic import random_batch
+
+    batch = random_batch(6, 12, seed=0)
+    batch.values["old_logprobs"] = engine.compute_logprobs(batch)
+    engine.train_batch(batch, "ppo_clip", {"clip_low": 0.2, "clip_high": 0.2})
