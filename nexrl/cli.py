@@ -68,6 +68,30 @@ def setup_logging(level: str) -> None:
         logging.getLogger().handlers = [rich_log_handler(value)]
 
 
+EXTRAS = {
+    "ray": "ray",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "tensorboard": "tensorboard",
+    "matplotlib": "plot",
+}
+"""Top-level package -> the nexrl extra that installs it."""
+
+
+def import_hint(exc: ImportError) -> str:
+    """The message of a failed import with what to do: the extra to install for an
+    optional package, else where user modules are looked up."""
+    package = (exc.name or "").split(".")[0]
+    if package in EXTRAS:
+        return f"{exc}: pip install 'nexrl[{EXTRAS[package]}]'"
+    return (
+        f"{exc} (user modules are looked up from the current folder {os.getcwd()} and PYTHONPATH)"
+    )
+
+
 def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -143,12 +167,8 @@ def run_training(cfg) -> int:  # cfg: DictConfig
 
     try:
         controller = NexRLController(cfg)
-    except ImportError as exc:  # a user module given by import path
-        print(
-            f"nexrl train: {exc} (user modules are looked up from the current folder "
-            f"{os.getcwd()} and PYTHONPATH)",
-            file=sys.stderr,
-        )
+    except ImportError as exc:  # an optional package, or a user module given by import path
+        print(f"nexrl train: {import_hint(exc)}", file=sys.stderr)
         return 2
     except (ValueError, KeyError, FileNotFoundError) as exc:  # bad data / paths / names
         logging.getLogger("nexrl").debug("set-up failed", exc_info=True)
@@ -220,6 +240,11 @@ def _delegate(
             return 2
         try:
             return int(importlib.import_module(module).main(rest) or 0)
+        except ImportError as exc:
+            if (exc.name or "").split(".")[0] not in EXTRAS:
+                raise
+            print(f"{prog}: {import_hint(exc)}", file=sys.stderr)
+            return 2
         except SystemExit as exc:
             if {"-h", "--help"} & set(rest):  # their help, then the options shared here
                 print(COMMON_OPTIONS_HELP)

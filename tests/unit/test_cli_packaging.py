@@ -64,6 +64,15 @@ def test_the_local_entry_points_import_no_optional_package() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_import_hint_names_the_extra_or_the_user_module_path() -> None:
+    from nexrl.cli import import_hint
+
+    hint = import_hint(ModuleNotFoundError("No module named 'ray'", name="ray"))
+    assert hint == "No module named 'ray': pip install 'nexrl[ray]'"
+    user = import_hint(ModuleNotFoundError("No module named 'my_rewards'", name="my_rewards"))
+    assert "looked up from the current folder" in user
+
+
 def _venv_without(tmp_path: Path, hidden: set[str]) -> Path:
     """A venv that sees this one's site-packages except `hidden` distributions (symlinks)."""
     venv = tmp_path / "venv"
@@ -102,3 +111,13 @@ def test_a_local_run_trains_without_ray_or_the_server_stack(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nexrl: done" in proc.stdout
+
+    def nexrl(*args: str) -> subprocess.CompletedProcess:
+        cmd = [str(python), "-m", "nexrl.cli", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    ray_run = nexrl("train", "launch_mode=ray", *overrides)
+    assert ray_run.returncode == 2
+    assert "No module named 'ray': pip install 'nexrl[ray]'" in ray_run.stderr
+    serve = nexrl("serve")
+    assert serve.returncode == 2 and "pip install 'nexrl[serve]'" in serve.stderr
