@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from nexrl.agents import run_tool_episode
+from nexrl.agents import chat_with_tools, run_tool_episode
 from nexrl.envs import LocalToolingEnv
 from nexrl.inference.engine import Engine
 from nexrl.inference.protocol import SamplingParams
@@ -76,3 +76,26 @@ def test_episode_ends(tmp_path, script, finish):
     assert episode.finish == finish and episode.metrics["agent/turns"] == 1
     assert env.metrics.calls == 0
     assert env.metrics.parse_failures == int(finish == "parse_failure")
+
+
+def test_chat_with_tools_returns_openai_tool_calls(tmp_path):
+    torch.set_num_threads(1)
+    path = build_scripted_model(tmp_path / "m", ["<tool_call>", CALL, "</tool_call>"])
+    engine = Engine(path, max_batch_size=4)
+    tools = asyncio.run(LocalToolingEnv([add]).list_tools())
+    ask = [{"role": "user", "content": "what is 2+3?"}]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0)
+    try:
+        reply = asyncio.run(chat_with_tools(engine, engine.tokenizer, ask, greedy, tools=tools))
+        plain = asyncio.run(chat_with_tools(engine, engine.tokenizer, ask, greedy))
+        cut = SamplingParams(max_new_tokens=2, temperature=0)
+        truncated = asyncio.run(chat_with_tools(engine, engine.tokenizer, ask, cut, tools=tools))
+    finally:
+        engine.shutdown()
+    assert reply["finish_reason"] == "tool_calls" and reply["content"] is None
+    (call,) = reply["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    assert len(reply["output_ids"]) == len(reply["logprobs"]) == 4
+    assert plain["tool_calls"] == [] and plain["content"].startswith("<tool_call>")
+    assert truncated["tool_calls"] == [] and truncated["finish_reason"] == "length"
+    assert truncated["parse_failures"] == ["truncated: <tool_call> is never closed"]
