@@ -172,3 +172,50 @@ def test_mlflow_file_store_gets_config_metrics_samples_and_resumes(tmp_path, mon
     )
     assert table["columns"] == list(SAMPLE_COLUMNS)
     assert table["data"][0] == ["abcd>", "bcde", 1.0, 4, 1]
+
+
+@pytest.mark.slow
+def test_a_training_run_feeds_every_tracker_and_a_second_run_in_its_folder_resumes(
+    tmp_path, monkeypatch
+) -> None:
+    """Two real 1-step runs in one run folder: mlflow gets the resolved config and the
+    train metrics, and the second run continues the same mlflow and wandb runs."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    from nexrl.config import load_config
+    from nexrl.controller import NexRLController
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    overrides = [
+        "train_worker.total_train_steps=1",
+        "rollout_worker.group_size=4",
+        "trajectory_pool.batch_size=8",
+        "validate.validate_before_train=false",
+        "validate.data.max_items=4",
+        "logger.backend=[jsonl,tensorboard,mlflow,wandb]",
+        f"run_dir={run_dir}",
+    ]
+    ids = []
+    for seed in (1, 2):
+        controller = NexRLController(load_config([*overrides, f"seed={seed}"]))
+        try:
+            controller.run()
+        finally:
+            controller.shutdown()
+        ids.append(json.loads((run_dir / "trackers.json").read_text()))
+        time.sleep(1.1)  # wandb names offline run folders by the second
+    assert ids[0] == ids[1]
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    run = client.get_run(ids[0]["mlflow"])
+    assert run.data.params["rollout_worker.group_size"] == "4"
+    assert run.data.params["run_dir"] == str(run_dir)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 1]
+    assert "val/reward" in run.data.metrics
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(1) >= 4  # both runs appended to one metrics.jsonl
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 2
