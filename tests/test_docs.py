@@ -104,11 +104,13 @@ def _nexrl_commands(block: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("page", CHECKED_PAGES, ids=CHECKED)
 def test_bash_nexrl_commands_name_real_commands_and_keys(page, capsys):
-    from nexrl.cli import COMMANDS, main
+    from nexrl.cli import COMMANDS, check_engine_overrides, main
 
     for block in blocks(page, "bash"):
         for argv in _nexrl_commands(block):
             assert argv and argv[0] in COMMANDS, f"{page.name}: nexrl {' '.join(argv)}"
+            if argv[0] in ("sft", "train-service"):
+                assert check_engine_overrides(argv[0], argv[1:]) is None, argv
             if argv[0] != "train" or any(a.startswith("--config") for a in argv):
                 continue
             rc = main(["train", "--log-level", "ERROR", "--cfg", *argv[1:]])
