@@ -13,6 +13,13 @@ failed (or that restarted with old weights) is *stale* and gets no request until
 `catch_up()` has brought it to the newest version; the replica itself also refuses a
 request that asks for a newer version than it holds (`min_version`), so a stale
 replica serves nothing even when called directly.
+
+Faults: a request whose replica died, restarted or refused it is sent again to
+another current replica (each replica tried at most once per request). A health
+check (`check_health`, or every `health_interval_s` in a background thread) asks
+each replica for its version within `health_timeout_s`: a dead one is stale; a
+hung one is killed so that Ray restarts it (actors need `max_restarts`); a
+restarted one (old version) gets the last weights pushed again by `catch_up`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 import ray
 
+from nexrl.inference.health import EngineRestartedError
 from nexrl.inference.protocol import GenerationRequest, GenerationResponse, WeightUpdateMeta
 
 logger = logging.getLogger(__name__)
@@ -33,6 +41,15 @@ MAX_AFFINITY = 100_000
 
 class StaleReplicaError(RuntimeError):
     """A replica was asked to serve a weight version it does not hold (yet)."""
+
+
+# what one replica can fail with while another could still serve the request
+_REPLICA_FAULTS = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.GetTimeoutError,
+    StaleReplicaError,
+    EngineRestartedError,
+)
 
 
 class InferenceReplica:
@@ -75,11 +92,24 @@ class InferenceReplica:
     def health(self) -> bool:
         return bool(self.engine.health())
 
+    def pid(self) -> int:
+        """Process id of this replica (fault-injection tests kill it)."""
+        import os
+
+        return os.getpid()
+
 
 class ReplicaBalancer:
     """`InferenceEngine` over replica actors: least outstanding requests + prefix affinity."""
 
-    def __init__(self, replicas: list[Any], model_path: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        replicas: list[Any],
+        model_path: str,
+        timeout_s: float = 600.0,
+        health_interval_s: float = 0.0,
+        health_timeout_s: float = 30.0,
+    ) -> None:
         if not replicas:
             raise ValueError("ReplicaBalancer needs at least one replica actor")
         self.replicas = list(replicas)
@@ -95,6 +125,12 @@ class ReplicaBalancer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.health_timeout_s = health_timeout_s
+        self._stop = threading.Event()
+        if health_interval_s > 0:
+            threading.Thread(
+                target=self._watch, args=(health_interval_s,), name="replica-health", daemon=True
+            ).start()
 
     @classmethod
     def connect(cls, config: Mapping[str, Any]) -> ReplicaBalancer:
@@ -108,13 +144,21 @@ class ReplicaBalancer:
         return self._target
 
     def generate(self, request: GenerationRequest) -> GenerationResponse:
-        index = self._acquire(request)
-        try:
-            ref = self.replicas[index].generate.remote(request, self._target)
-            return ray.get(ref, timeout=self.timeout_s)
-        finally:
-            with self._lock:
-                self._outstanding[index] -= 1
+        """Serve on one current replica; on a replica fault, on the next (each at most once)."""
+        tried: set[int] = set()
+        while True:
+            index = self._acquire(request, exclude=tried)
+            try:
+                ref = self.replicas[index].generate.remote(request, self._target)
+                return ray.get(ref, timeout=self.timeout_s)
+            except _REPLICA_FAULTS as exc:
+                tried.add(index)
+                self._mark_stale(index, exc)
+                if len(tried) == len(self.replicas):
+                    raise
+            finally:
+                with self._lock:
+                    self._outstanding[index] -= 1
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         import asyncio
@@ -140,7 +184,47 @@ class ReplicaBalancer:
         return bool(self.current_replicas())
 
     def shutdown(self) -> None:
-        """The replicas belong to the Ray system; nothing to stop here."""
+        """Stops the health thread; the replicas belong to the Ray system."""
+        self._stop.set()
+
+    # -- faults -----------------------------------------------------------------------
+    def check_health(self) -> list[int]:
+        """Probe every replica; kill hung ones (Ray restarts them), catch up restarted ones.
+
+        Returns the indices that did not answer within `health_timeout_s`.
+        """
+        refs = [r.version.remote() for r in self.replicas]
+        unhealthy = []
+        for i, ref in enumerate(refs):
+            try:
+                version = ray.get(ref, timeout=self.health_timeout_s)
+            except ray.exceptions.GetTimeoutError as exc:
+                self._mark_stale(i, exc)
+                logger.warning("replica %d is hung; killing it so that Ray restarts it", i)
+                ray.kill(self.replicas[i], no_restart=False)
+                unhealthy.append(i)
+                continue
+            except ray.exceptions.RayActorError as exc:
+                self._mark_stale(i, exc)
+                unhealthy.append(i)
+                continue
+            with self._lock:
+                self._versions[i] = version
+        if any(i not in self.current_replicas() for i in range(len(self.replicas))):
+            self.catch_up()
+        return unhealthy
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.check_health()
+            except Exception:  # the next round tries again; routing avoids stale replicas
+                logger.exception("replica health check failed")
+
+    def _mark_stale(self, index: int, exc: BaseException) -> None:
+        logger.warning("replica %d failed (%s); routing around it", index, type(exc).__name__)
+        with self._lock:
+            self._versions[index] = -1
 
     # -- routing and versions ---------------------------------------------------------
     def current_replicas(self) -> list[int]:
@@ -191,12 +275,15 @@ class ReplicaBalancer:
             with self._lock:
                 self._versions[i] = version
 
-    def _acquire(self, request: GenerationRequest) -> int:
+    def _acquire(self, request: GenerationRequest, exclude: set[int] | None = None) -> int:
         key = request.metadata.get("prefix_key") or request.rid
-        current = self.current_replicas()
-        if not current and self.catch_up() == list(range(len(self.replicas))):
+        exclude = exclude or set()
+        current = [i for i in self.current_replicas() if i not in exclude]
+        if not current:
+            self.catch_up()
+            current = [i for i in self.current_replicas() if i not in exclude]
+        if not current:
             raise StaleReplicaError(f"no replica holds weights v{self._target}")
-        current = current or self.current_replicas()
         with self._lock:
             index = self._affinity.get(key) if key else None
             if index not in current:
