@@ -97,16 +97,20 @@ class ConsoleBackend:
                 self._printed = step
             return
         status = self.format_status(data, step, now)
-        if self._progress is None:
-            self._start(step)
+        if self._progress is None and not self._start(step):
+            self.live = False  # another live display holds the console: plain lines
+            self._console.print(self.format_line(data, step, now), markup=False)
+            return
         assert self._progress is not None and self._task is not None
         label = f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")
         self._progress.update(
             self._task, completed=step, total=self.total_steps, status=status, step=label
         )
 
-    def _start(self, step: int) -> None:
-        self._progress = Progress(
+    def _start(self, step: int) -> bool:
+        from rich.errors import LiveError
+
+        progress = Progress(
             TextColumn("[bold]{task.fields[step]}"),
             BarColumn(),
             TextColumn("{task.fields[status]}", markup=False),
@@ -114,10 +118,15 @@ class ConsoleBackend:
             auto_refresh=True,
             refresh_per_second=2,
         )
-        self._task = self._progress.add_task(
+        self._task = progress.add_task(
             "train", total=self.total_steps, completed=step, status="", step=f"step {step}"
         )
-        self._progress.start()
+        try:
+            progress.start()
+        except LiveError:
+            return False
+        self._progress = progress
+        return True
 
     def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
         """Samples are for the trackers and `samples.jsonl`, not the console."""

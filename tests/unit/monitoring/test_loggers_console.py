@@ -108,3 +108,15 @@ def test_a_real_terminal_gets_the_bar_and_a_pipe_gets_plain_lines() -> None:
     piped = _run_console_script(terminal=False)
     assert piped.splitlines()[0] == "step 1/3 | reward/mean 0.25 | throughput/samples_per_s 50"
     assert "━" not in piped and "\x1b[" not in piped
+
+
+def test_two_bars_on_one_console_both_show() -> None:
+    """Two loggers in one process (e.g. two runs from Python): rich nests live displays,
+    or, where it refuses, the second falls back to plain lines; neither raises."""
+    console, out = _console(terminal=True)
+    first, second = ConsoleBackend(console=console), ConsoleBackend(console=console)
+    first.log({"reward/mean": 0.5}, step=1)
+    second.log({"reward/mean": 0.25}, step=1)
+    first.close()
+    second.close()
+    assert "reward/mean 0.5" in out.getvalue() and "reward/mean 0.25" in out.getvalue()
