@@ -147,6 +147,8 @@ def _train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     setup_logging(args.log_level)
     overrides = list(args.overrides)
+    if args.print_config and overrides[:1] in (["job"], ["all"]):
+        overrides = overrides[1:]  # Hydra's `--cfg job` spelling
     if args.model_path:
         overrides.append(f"model_path={args.model_path}")
     try:
@@ -273,7 +275,8 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 def usage() -> str:
     rows = "\n".join(f"  {name:<14} {text}" for name, text in COMMANDS_HELP.items())
     return (
-        f"usage: nexrl {{{','.join(COMMANDS)}}} [--help] [--log-level L] [args]\n\n"
+        f"usage: nexrl {{{','.join(COMMANDS)}}} [--help] [--log-level L] [args ...]\n"
+        "       (options come after the command: nexrl train --log-level DEBUG)\n\n"
         f"commands:\n{rows}\n\n{__doc__}"
     )
 

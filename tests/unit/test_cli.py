@@ -30,6 +30,8 @@ def test_cfg_prints_the_composed_config_with_overrides(capsys) -> None:
     assert "rollout_worker" in cfg and "logger" in cfg
     rc, out2, _ = _train(capsys, "--print-config", "--model-path", "/m", "seed=5")
     assert rc == 0 and yaml.safe_load(out2)["model_path"] == "/m"
+    rc, out3, _ = _train(capsys, "--cfg", "job", "seed=6")  # Hydra's spelling
+    assert rc == 0 and yaml.safe_load(out3)["seed"] == 6
 
 
 @pytest.mark.parametrize(
