@@ -163,6 +163,9 @@ def find_resume_checkpoint(cfg: DictConfig, explicit_checkpoint_path: bool) -> s
     """`resume.mode=auto`: the set checkpoint folder, else the newest run of this experiment."""
     if explicit_checkpoint_path:
         return find_latest_checkpoint(cfg.train_worker.checkpoint_path)
+    chosen = OmegaConf.select(cfg, "resume.resumed_from")
+    if chosen and checkpoint_problem(chosen) is None:  # what resolve_run_config picked
+        return chosen
     found = find_resume_run(Path(cfg.output_dir) / cfg.experiment_name)
     return found[1] if found else None
 
