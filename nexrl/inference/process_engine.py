@@ -26,13 +26,14 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class _Child:
     proc: Any
     conn: Any
     fatal: str | None = None  # what the child said before it stopped itself (OOM)
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
 
 @dataclass
@@ -161,9 +163,8 @@ class ProcessEngine:
             raise RuntimeError(f"engine process failed to start: {info['error']}")
         self.max_model_len, self.max_batch_size = info["max_model_len"], info["max_batch_size"]
         child = _Child(proc, conn)
-        threading.Thread(
-            target=self._read, args=(child,), name="nexrl-engine-ipc", daemon=True
-        ).start()
+        for target, name in ((self._read, "nexrl-engine-ipc"), (self._drain, "nexrl-engine-out")):
+            threading.Thread(target=target, args=(child,), name=name, daemon=True).start()
         return child
 
     @property
@@ -276,12 +277,25 @@ class ProcessEngine:
         return future
 
     def _write(self, child: _Child, msg_id: int, call: _Call) -> None:
-        try:
-            with self._lock:
+        """Queue one message for the child's writer thread; never blocks the caller.
+
+        A child that stopped reading (hung) fills the pipe: only its writer thread
+        blocks, the ping behind it goes unanswered, and the restart replays the call.
+        """
+        child.outbox.put((msg_id, call))
+
+    def _drain(self, child: _Child) -> None:
+        """Writer thread of one child: sends its outbox until the child is gone."""
+        while True:
+            item = child.outbox.get()
+            if item is None:
+                return
+            msg_id, call = item
+            try:
                 child.conn.send_bytes(orjson.dumps({"id": msg_id, "op": call.op, **call.body}))
-        except (OSError, ValueError):  # a dead child: the restart replays this call
-            if call.child is not None:
-                self._finish(msg_id, exc=RuntimeError("engine process exited"))
+            except (OSError, ValueError):  # a dead child: the restart replays this call
+                if call.child is not None:
+                    self._finish(msg_id, exc=RuntimeError("engine process exited"))
 
     def _call(self, op: str, **body: Any) -> Any:
         return self._send(op, **body).result()
@@ -317,6 +331,7 @@ class ProcessEngine:
             else:
                 self._finish(msg["id"], msg["result"])
         child.proc.join(timeout=5)
+        child.outbox.put(None)  # ends its writer thread once the queue is drained
         with self._lock:
             orphans = [i for i, c in self._calls.items() if c.child is child]
         for msg_id in orphans:  # pings and restore steps sent to this child

@@ -90,6 +90,21 @@ def test_hung_engine_is_detected_by_the_health_check_and_replaced(engine):
         os.kill(pid, 0)  # the stopped process was killed, not left behind
 
 
+def test_hang_with_a_full_pipe_is_detected_and_every_request_served(engine):
+    """A stopped engine stops reading its pipe; 300 long prompts fill it. Callers must not
+    block, the health check must still fire, and every request is served afterwards."""
+    pid = engine.pid
+    os.kill(pid, signal.SIGSTOP)
+    prompt = list(range(5, 25)) * 10  # 200 tokens: ~300 messages overflow a 64 KiB pipe
+    futures = [
+        engine.submit(GenerationRequest(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True)))
+        for _ in range(300)
+    ]  # returns at once although nothing can be written
+    for future in futures:
+        assert future.result(timeout=300).outputs[0].output_versions == [VERSION] * 2
+    assert engine.restarts == 1 and "hung" in engine.restart_reasons[0]
+
+
 def test_engine_out_of_memory_during_a_weight_update_is_restarted(
     engine, tiny_model_path, tmp_path
 ):
