@@ -128,7 +128,6 @@ class ProcessEngine:
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count()
         self._weights: tuple[int, str] | None = None  # (version, private snapshot folder)
-        self._weights_root = Path(tempfile.mkdtemp(prefix="nexrl-engine-weights-"))
         self._paused = False
         self._dead: str | None = None
         self._closing = False
@@ -137,6 +136,7 @@ class ProcessEngine:
         self._version = 0
         self._stop = threading.Event()
         self._child = self._spawn()
+        self._weights_root = Path(tempfile.mkdtemp(prefix="nexrl-engine-weights-"))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._watchdog = threading.Thread(
             target=self._watch, name="nexrl-engine-watch", daemon=True

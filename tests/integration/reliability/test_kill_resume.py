@@ -31,6 +31,7 @@ REPO = Path(nexrl.__file__).resolve().parents[1]
 TOTAL_STEPS = 80
 KILLS = 8
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
+STEP_LINE = re.compile(r"^step (\d+)/", flags=re.M)
 
 
 def _start(out: Path, log: Path) -> subprocess.Popen:
@@ -80,11 +81,23 @@ def _wait_until(proc: subprocess.Popen, ready, what: str, limit: float = 300) ->
         time.sleep(0.05)
 
 
-def _kill_when(proc: subprocess.Popen, ckpt_dir: Path, mid_save: bool, delay: float) -> None:
-    """SIGKILL the group as a staging folder appears (mid_save), else after `delay` s."""
-    end = time.monotonic() + (10.0 if mid_save else delay)
+def _latest_step(log: Path) -> int:
+    steps = STEP_LINE.findall(log.read_text())
+    return int(steps[-1]) if steps else 0
+
+
+def _kill_when(
+    proc: subprocess.Popen, log: Path, ckpt_dir: Path, mid_save: bool, target: int, jitter: float
+) -> None:
+    """SIGKILL the group as a staging folder appears (mid_save), else once step `target`
+    is logged plus `jitter` seconds (a random moment inside a step: rollout, train, push,
+    save)."""
+    end = time.monotonic() + 120
     while time.monotonic() < end and proc.poll() is None:
         if mid_save and any(".staging-" in name for name in os.listdir(ckpt_dir)):
+            break
+        if not mid_save and _latest_step(log) >= target:
+            time.sleep(jitter)
             break
         time.sleep(0.001 if mid_save else 0.01)
     if proc.poll() is None:
@@ -93,6 +106,17 @@ def _kill_when(proc: subprocess.Popen, ckpt_dir: Path, mid_save: bool, delay: fl
 
 
 def test_sigkill_at_random_points_then_auto_resume_finishes(tmp_path):
+    started: list[subprocess.Popen] = []
+    try:
+        _kill_and_resume(tmp_path, started)
+    finally:  # a failed assertion must not leave a training run behind
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _kill_and_resume(tmp_path: Path, started: list[subprocess.Popen]) -> None:
     rng = random.Random(int(os.environ.get("NEXRL_KILL_SEED", "15")))
     out = tmp_path / "out"
     figures = {"kills": 0, "mid_save": 0, "resumes": 0, "skipped_incomplete": 0}
@@ -101,6 +125,7 @@ def test_sigkill_at_random_points_then_auto_resume_finishes(tmp_path):
     for attempt in range(KILLS + 1):
         log = tmp_path / f"attempt{attempt}.log"
         proc = _start(out, log)
+        started.append(proc)
         if attempt == 0:
             _wait_until(proc, lambda: _newest_complete_step(out), "a first checkpoint")
         elif attempt < KILLS:  # kill only once the resume happened and training goes on
@@ -108,7 +133,9 @@ def test_sigkill_at_random_points_then_auto_resume_finishes(tmp_path):
         if attempt < KILLS:
             mid_save = attempt % 2 == 1
             ckpt_dir = _complete(out)[0].parent
-            _kill_when(proc, ckpt_dir, mid_save, delay=rng.uniform(0.0, 4.0))
+            base = expected_step if expected_step is not None else _latest_step(log)
+            target = base + rng.randint(1, 6)
+            _kill_when(proc, log, ckpt_dir, mid_save, target, rng.uniform(0.0, 0.3))
             figures["kills"] += proc.returncode == -signal.SIGKILL
             figures["mid_save"] += bool(_staging(out))
         else:
