@@ -1,41 +1,43 @@
-"""One builder per role: `build_x(config) -> module`, from the resolved run config.
+"""One builder per role: `build_x(cfg) -> module`, from the resolved run config.
 
 Builders take the whole (resolved) config and nothing else, so the same
 function builds a module in this process (local mode) or inside a Ray actor
-(Ray mode). Module classes themselves take their dependencies explicitly,
-which keeps them easy to test.
+(Ray mode). Each module receives its typed schema section (`OmegaConf.to_object`
+of a structured config is the dataclass) plus a small typed context with what
+it needs from other sections: no module reads a plain dict with its own
+defaults. Named components are picked from registries (`nexrl.registry`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from nexrl.registry import Registry
 from nexrl.types import NexRLRole
 
+ROLLOUT_WORKERS = Registry("rollout worker", "rollout_worker.type")
+ROLLOUT_WORKERS.add("single_turn", "nexrl.rollout.workers:SingleTurnRolloutWorker")
+ROLLOUT_WORKERS.add("simple", "nexrl.rollout.workers:SimpleRolloutWorker")
 
-def import_path(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"expected 'package.module:Name', got {path!r}")
-    return getattr(importlib.import_module(module), attr)
+PROCESSORS = Registry("algorithm processor", "algorithm.type")
+PROCESSORS.add("grpo", "nexrl.algorithms.processor:GRPOProcessor")
 
 
-def _plain(section: Any) -> dict[str, Any]:
-    return (
-        OmegaConf.to_container(section, resolve=True)
-        if isinstance(section, DictConfig)
-        else dict(section)
-    )
+def section(node: Any) -> Any:
+    """The typed dataclass of a structured config section (a plain copy otherwise)."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_object(node)
+    return node
 
 
 def inference_config(cfg: DictConfig) -> dict[str, Any]:
-    section = _plain(cfg.service.inference_service)
-    section["model"] = section.get("model") or cfg.model_path
-    return {**section, **section.pop("engine", {})}
+    """The inference section with its engine options merged in (the client's input)."""
+    plain = OmegaConf.to_container(cfg.service.inference_service, resolve=True)
+    plain["model"] = plain.get("model") or cfg.model_path
+    return {**plain, **plain.pop("engine", {})}
 
 
 def build_llm_client(cfg: DictConfig) -> Any:
@@ -48,7 +50,7 @@ def build_dataloader(cfg: DictConfig, is_validate: bool = False) -> Any:
     from nexrl.data import create_dataloader
 
     return create_dataloader(
-        cfg.validate.data if is_validate else cfg.data, is_validate=is_validate
+        section(cfg.validate.data if is_validate else cfg.data), is_validate=is_validate
     )
 
 
@@ -58,83 +60,79 @@ def build_validate_dataloader(cfg: DictConfig) -> Any:
 
 def build_rollout_worker(cfg: DictConfig) -> Any:
     from nexrl.rewards import get_reward_fn
-    from nexrl.rollout.workers import SimpleRolloutWorker, SingleTurnRolloutWorker
+    from nexrl.rollout.base import RolloutContext
 
-    section = {
-        **_plain(cfg.rollout_worker),
-        "prompt_key": cfg.data.prompt_key,
-        "validate_temperature": cfg.validate.temperature,
-        "enable_partial_rollout": cfg.weight.enable_partial_rollout,
-        "tail_batch_candidate_steps": cfg.weight.tail_batch_candidate_steps,
-    }
+    config = section(cfg.rollout_worker)
+    cls = ROLLOUT_WORKERS.get(config.type)
+    context = RolloutContext.from_config(cfg)
     client = build_llm_client(cfg)
-    kind = section["type"]
-    if kind == "single_turn":
-        return SingleTurnRolloutWorker(section, client, get_reward_fn(section["reward_fn"]))
-    if kind == "simple":
-        return SimpleRolloutWorker(section, client)
-    return import_path(kind)(section, client)
+    if config.type == "simple":
+        return cls(config, client, context)
+    return cls(config, client, context, get_reward_fn(config.reward_fn))
 
 
 def build_trajectory_pool(cfg: DictConfig) -> Any:
     from nexrl.pools import TrajectoryPool
 
-    return TrajectoryPool(cfg.trajectory_pool)
+    return TrajectoryPool(section(cfg.trajectory_pool))
 
 
 def build_train_batch_pool(cfg: DictConfig) -> Any:
     from nexrl.pools import TrainBatchPool
 
-    return TrainBatchPool(cfg.train_batch_pool)
+    return TrainBatchPool(section(cfg.train_batch_pool))
 
 
 def build_algorithm_processor(cfg: DictConfig) -> Any:
     from transformers import AutoTokenizer
 
-    from nexrl.algorithms.processor import GRPOProcessor
+    from nexrl.algorithms.processor import ProcessorContext
 
-    section = {
-        **_plain(cfg.algorithm),
-        "batch_size": cfg.trajectory_pool.batch_size,
-        "max_tokens": cfg.rollout_worker.max_tokens,
-    }
+    config = section(cfg.algorithm)
+    cls = PROCESSORS.get(config.type)
     pad_id = AutoTokenizer.from_pretrained(cfg.model_path).pad_token_id or 0
-    if section["type"] == "grpo":
-        return GRPOProcessor(section, pad_token_id=pad_id)
-    return import_path(section["type"])(section, pad_token_id=pad_id)
+    context = ProcessorContext(
+        batch_size=cfg.trajectory_pool.batch_size,
+        max_tokens=cfg.rollout_worker.max_tokens,
+        pad_token_id=pad_id,
+    )
+    return cls(config, context)
 
 
-def build_train_worker(cfg: DictConfig) -> Any:
+def engine_config(cfg: DictConfig) -> Any:
+    """The train engine section, with `total_steps` defaulting to the run's step count."""
+    engine = section(cfg.train_worker.engine)
+    engine.total_steps = engine.total_steps or cfg.train_worker.total_train_steps
+    return engine
+
+
+def build_train_worker(cfg: DictConfig, client: Any = None) -> Any:
+    """The train worker; `client` replaces the configured train service client (Ray's
+    data-parallel worker group passes its own)."""
     from nexrl.training.client import TrainServiceClient
-    from nexrl.training.train_worker import TrainWorker
+    from nexrl.training.train_worker import LossSpec, TrainWorker
 
-    engine = _plain(cfg.train_worker.engine)
-    engine["total_steps"] = engine["total_steps"] or cfg.train_worker.total_train_steps
-    client = TrainServiceClient(_plain(cfg.service.train_service), engine, cfg.model_path)
+    if client is None:
+        client = TrainServiceClient(
+            section(cfg.service.train_service), engine_config(cfg), cfg.model_path
+        )
     return TrainWorker(
-        cfg.train_worker,
+        section(cfg.train_worker),
         client,
-        async_loss_defaults(_plain(cfg.algorithm), cfg.weight.sync_mode),
+        LossSpec.from_config(section(cfg.algorithm), cfg.weight.sync_mode),
         checkpoint_path=cfg.train_worker.checkpoint_path,
         sync_weight_path=cfg.train_worker.sync_weight_path,
     )
 
 
-def async_loss_defaults(algorithm: dict[str, Any], sync_mode: str) -> dict[str, Any]:
-    """Async modes train on samples from older weights: token-level truncated IS
-    (cap 2) by default, unless the user chose an off-policy correction (docs/async.md)."""
-    kwargs = dict(algorithm.get("loss_kwargs") or {})
-    chosen = any(k in kwargs for k in ("tis_level", "decoupled"))
-    if sync_mode != "sync" and not chosen:
-        kwargs.update(tis_level="token", tis_cap=2.0)
-    return {**algorithm, "loss_kwargs": kwargs}
+def groups_per_batch(cfg: DictConfig) -> int:
+    """Rollout groups (tasks) per train batch: what admission counts in."""
+    return max(1, cfg.trajectory_pool.batch_size // max(1, cfg.trajectory_pool.group_size))
 
 
 def build_weight_sync_controller(cfg: DictConfig) -> Any:
     from nexrl.weight_sync import WeightSyncController
 
-    pool = cfg.trajectory_pool
-    groups_per_batch = max(1, pool.batch_size // pool.group_size) if pool.key_list else None
     backend = cfg.service.inference_service.backend
     if cfg.weight.inflight_weight_update and backend not in ("builtin", "remote"):
         raise ValueError(
@@ -142,16 +140,18 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
             f"or remote to a `nexrl serve`); service.inference_service.backend is {backend!r}"
         )
     return WeightSyncController(
-        {**_plain(cfg.weight), "groups_per_batch": groups_per_batch},
+        section(cfg.weight),
         build_llm_client(cfg),
         cfg.train_worker.sync_weight_path,
+        groups_per_batch=groups_per_batch(cfg),
+        max_task_retries=cfg.rollout_worker.max_task_retries,
     )
 
 
 def build_validator(cfg: DictConfig) -> Any:
     from nexrl.validation import Validator
 
-    return Validator(cfg.validate.eval)
+    return Validator(section(cfg.validate.eval))
 
 
 BUILDERS: dict[NexRLRole, Callable[[DictConfig], Any]] = {

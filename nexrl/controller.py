@@ -1,16 +1,43 @@
 """NexRLController: builds the modules, wires them, runs and watches the loop.
 
-The data flow lives in the modules (loader -> rollout workers -> trajectory
-pool -> processor -> train batch pool -> train worker -> weight sync); the
-controller only starts them, validates when the weight-sync controller asks,
-applies the error policy, and stops everything once training is done:
+The data flow lives in the modules; the controller starts them, validates when
+the weight-sync controller asks, applies the error policy, and stops everything
+once training is done:
 
-    initialize train workers; load initial / resume checkpoint
+    initialize train workers; load initial / resume checkpoint (push its weights)
     validate before training (optional)
-    start modules
+    start the module loops
     while not finished:
-        check errors and liveness; validate when a weight sync asks for it
+        check errors and liveness; validate when a weight push asks for it
     final validation; stop; wait for quiescence
+
+The loops (each a thread, or a thread inside a Ray actor) and their calls:
+
+    DataLoader <-get/requeue- WSC.admission <-acquire_task/complete_task- RolloutWorker xN
+                                 ^ form_batch (one call per batch)          | put group
+                                 +--------------- TrajectoryPool <----------+
+    TrainBatchPool <-put- AlgorithmProcessor <-get batch- TrajectoryPool
+    TrainWorker -get-> TrainBatchPool; train step; export; notify -> WSC -push-> engine
+
+One owner per job:
+
+    handing out and re-queueing tasks   WeightSyncController.admission (TaskAdmission)
+    staleness of a forming batch        the same, in `form_batch`
+    pushing weights, versions           WeightSyncController
+    when to validate                    WeightSyncController decides, the controller runs it
+
+Who waits for what, and what unblocks it:
+
+    | who               | waits for                     | unblocked by                        |
+    |-------------------|-------------------------------|-------------------------------------|
+    | rollout worker    | an admission slot             | form_batch (sync), a push, a slot   |
+    |                   |                               | released by a failure or a drop,    |
+    |                   |                               | end_validate                        |
+    | processor         | a batch of whole groups       | a group put (or the data's tail)    |
+    | train worker      | a processed batch             | the processor's put_batch           |
+    | async push        | running rollouts (batch-async)| their complete_task                 |
+    |                   | a running validation          | the controller's end_validate       |
+    | controller        | a validation to finish        | every validation task back          |
 """
 
 from __future__ import annotations
@@ -21,7 +48,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from nexrl.distributed import execute
+from nexrl.execute import execute
 from nexrl.monitoring import should_stop
 from nexrl.run_setup import find_latest_checkpoint, find_resume_checkpoint, resolve_run_config
 from nexrl.system import build_system
@@ -126,9 +153,7 @@ class NexRLController:
         if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
             execute(s.dataloader.load_state_dict, state["dataloader"])
         execute(s.train_workers[0].export_sync_weights)
-        execute(s.weight_sync_controller.set_rollout_model_version, self._tag, state["step"] - 1)
-        execute(s.weight_sync_controller.set_train_step, self._tag, state["step"])
-        execute(s.weight_sync_controller.sync_weight_to_rollout_service, self._tag)
+        execute(s.weight_sync_controller.resume_from, self._tag, state["step"])
         execute(self.activity_tracker.set_training_step, state["step"])
         self._last_validated_step = None
         logger.info("resumed from %s at step %d", path, state["step"])

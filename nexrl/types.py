@@ -1,7 +1,10 @@
 """Core data types shared by every nexrl module.
 
 `Trajectory` is a plain dict so that user rollout code can add any key it
-likes; the keys nexrl itself reads are listed in `TRAJECTORY_KEYS`.
+likes; the keys nexrl itself reads are listed in `TRAJECTORY_KEYS` and
+`check_trajectory` names the first one missing. `Task` is one unit of work
+from a data loader with its bookkeeping (retries, aborts, partial samples) in
+typed fields; `StepResult` is what a rollout step answers.
 
 `Batch` carries either per-trajectory lists (as it leaves the trajectory pool)
 or padded token-level tensors (as it leaves the algorithm processor). The
@@ -46,6 +49,77 @@ TRAJECTORY_KEYS = (
     "model_tag",
     "model_version",
 )
+
+
+class StepResult(str, Enum):
+    """What `BaseRolloutWorker.step` answers (a `str` enum: user code may return the string).
+
+    SUCCESS   the trajectories were accepted (pool or validator)
+    REROLL    generate the task again now ("re-rollout"): it goes back to the front
+    FAIL      the task could not become trajectories: retried, then counted as failed
+    ABORTED   a weight push aborted the generation: back to the front of the loader
+    DEFERRED  aborted too often: held in the tail-batch candidate pool
+    DROPPED   dropped on purpose (DAPO dynamic sampling); counted
+    """
+
+    SUCCESS = "success"
+    REROLL = "re-rollout"
+    FAIL = "fail"
+    ABORTED = "aborted"
+    DEFERRED = "deferred"
+    DROPPED = "dropped"
+
+    @classmethod
+    def of(cls, value: StepResult | str | None) -> StepResult:
+        """`None` (the seed's "failed before a trajectory existed") is FAIL."""
+        if value is None:
+            return cls.FAIL
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"rollout step returned {value!r}; valid: {[r.value for r in cls]} or None"
+            ) from None
+
+
+@dataclass
+class Task:
+    """One data row on its way through the rollout side, with its bookkeeping.
+
+    `data` is the loader's row exactly (what `step` receives); everything nexrl
+    tracks about the task lives in the other fields, never inside `data`.
+    """
+
+    data: dict[str, Any]
+    task_id: int = -1
+    """Unique per run, set when the task is first handed out (-1: not yet)."""
+    is_validate: bool = False
+    retries: int = 0
+    """Failed attempts so far (bounded by `rollout_worker.max_task_retries`)."""
+    aborts: int = 0
+    """Times a weight push aborted this task's generation."""
+    partial: list[dict[str, Any]] | None = None
+    """Samples kept from an aborted generation (partial rollout), continued next time."""
+    tail: bool = False
+    """Served from the tail-batch pool: never aborted again."""
+
+    @property
+    def uid(self) -> Any:
+        return self.data.get("uid")
+
+
+REQUIRED_TRAJECTORY_KEYS = ("uid", "prompt_ids", "response_ids", "response_logprobs")
+
+
+def check_trajectory(trajectory: Trajectory) -> None:
+    """Raise ValueError naming each key a trainable trajectory lacks (and what fills it)."""
+    missing = [k for k in REQUIRED_TRAJECTORY_KEYS if trajectory.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"trajectory is missing {missing} (has {sorted(trajectory)}); the pool needs "
+            f"{list(REQUIRED_TRAJECTORY_KEYS)}: take the ids and logprobs from the client's "
+            "result (docs/rollout.md)"
+        )
 
 
 class NexRLRole(Enum):

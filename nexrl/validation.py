@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from nexrl.distributed import execute
+from nexrl.execute import execute
 from nexrl.module import NexRLModule
 from nexrl.types import Trajectory
 

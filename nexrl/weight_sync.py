@@ -1,256 +1,165 @@
-"""WeightSyncController: when new weights reach the inference side, and who may roll out.
+"""WeightSyncController: the task owner of the rollout side and the one weight pusher.
 
-Versions: the weights after `s` train steps have version `s` (one push per
-step, so this is also the number of pushes; with `sync_every = m` the version
-jumps by m). Batch j trains at step j, so a sample started on version v and
-trained in batch j has staleness j - v, bounded by `staleness_threshold` k.
+Two jobs, each with one owner inside this module:
+
+- tasks (`TaskAdmission`, nexrl/rollout/admission.py): rollout workers get
+  their tasks here (`acquire_task`) and give them back with the step's result
+  (`complete_task`); the trajectory pool settles each formed batch here with one
+  call (`form_batch`). Admission bounds staleness by construction.
+- weights: the train worker reports a finished step
+  (`train_worker_notify_weight_update`) and this module alone pushes the new
+  weights to the inference side and decides whether a validation runs first.
+
+Versions: the weights after `s` train steps have version `s` (with
+`sync_every = m` the version jumps by m). Batch j trains at step j, so a sample
+started on version v and trained in batch j has staleness j - v, bounded by
+`staleness_threshold` k.
 
 Modes (docs/weight_sync.md, docs/async.md):
 
-- `sync`: the pool locks as soon as it holds a full batch: rollouts block,
-  late samples are re-rolled, the batch trains, the new weights are pushed,
-  and only then do rollouts resume. k is 0: every sample is on-policy.
-- `batch-async`: rollouts of the next batches overlap training. After a train
-  step (every `sync_every` steps) new rollouts are held, the running ones
-  finish on the weights they started with, then the weights are pushed.
-- `fully-async`: a push reaches running requests too: they are aborted
-  (pause -> abort -> update -> resume); the rollout worker continues them on
-  the new weights (`enable_partial_rollout`) or re-queues their task. With
-  `inflight_weight_update` nothing is aborted: the engine swaps the weights
-  between two decode steps and running requests go on with per-token versions.
-
-In every mode a rollout group must be admitted before it starts
-(`acquire_rollout`), which bounds staleness by construction
-(`nexrl.rollout.sample_policy`); the trajectory pool re-checks each group when
-its batch forms and drops the stale ones (`get_staleness_gate`,
-`notify_batch_formed`). Usage order:
-
-    worker -> acquire_rollout(tag) ... finish_generation(tag)
-              [release_rollout(tag, reason) if the group never reaches the pool]
-    pool   -> trajectory_pool_notify_batch_ready(tag)  (sync: lock, block rollouts)
-           -> get_staleness_gate(tag); notify_batch_formed(tag, n_groups)
-    train  -> train_worker_notify_weight_update(name, tag)  (push, maybe validate)
-    ctrl   -> is_waiting_for_validation() -> start_validate / end_validate(tag)
+- `sync`: k = 0 and one batch worth of groups may be admitted at a time, so
+  once a batch forms nothing generates until its weights are pushed.
+- `batch-async`: rollouts of the next batches overlap training; a push holds new
+  admissions, waits until running rollouts finish, then pushes.
+- `fully-async`: a push reaches running requests: they are aborted
+  (pause -> abort -> update -> resume) and continued or re-queued by the worker;
+  with `inflight_weight_update` the engine swaps weights between decode steps
+  and nothing is aborted.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any, Literal
 
-from nexrl.distributed import execute
+from nexrl.config.schema import WeightConfig
 from nexrl.inference.protocol import WeightUpdateMeta
 from nexrl.module import NexRLModule
-from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
-from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
+from nexrl.protocols import DataLoaderLike, TrackerLike
+from nexrl.rollout.admission import BatchPlan, GroupInfo, TaskAdmission
+from nexrl.rollout.sample_policy import SamplePolicy
+from nexrl.types import DEFAULT_MODEL_TAG, ModelTag, StepResult, Task
 
 logger = logging.getLogger(__name__)
 
-TAIL_KEY = "_nexrl_tail"
-_POLL_S = 0.005
-
 
 class WeightSyncController(NexRLModule):
-    def __init__(self, config: Mapping[str, Any], llm_client: Any, sync_weight_path: str) -> None:
+    def __init__(
+        self,
+        config: WeightConfig,
+        llm_client: Any,
+        sync_weight_path: str,
+        groups_per_batch: int,
+        max_task_retries: int,
+    ) -> None:
         super().__init__()
-        self.policy = SamplePolicy.from_config(config)
+        self.policy = SamplePolicy.from_config(config, groups_per_batch)
         self._sync_mode = self.policy.sync_mode
-        self._staleness_threshold = self.policy.staleness_threshold
-        self._validate_freq = int(config.get("validate_freq", 0))
+        self._validate_freq = config.validate_freq
         self._llm_client = llm_client
         self._sync_weight_path = sync_weight_path
-        # A condition on the state lock: every change notifies, so a rollout worker can wait
-        # for admission (`acquire_rollout(wait_s=...)`) instead of polling with calls.
+        self.admission = TaskAdmission(self.policy, max_task_retries)
         self._lock = threading.Condition(threading.RLock())
-        self._ledgers: dict[ModelTag, AdmissionLedger] = {}
-        self._blocked: dict[ModelTag, bool] = {}
         self._pushing: dict[ModelTag, bool] = {}
-        self._generating: dict[ModelTag, int] = {}
         self._trained: dict[ModelTag, int] = {}
-        self._tail: dict[ModelTag, list[dict[str, Any]]] = {}
         self._syncs_since_validate = 0
         self._waiting_for_validation = False
         self._validating = False
-        self._dataloader: Any = None
-        self._trajectory_pool: Any = None
+        self._dataloader: DataLoaderLike | None = None
+        self._validate_dataloader: DataLoaderLike | None = None
 
-    def set_module_references(self, dataloader: Any, trajectory_pool: Any) -> None:
-        self._dataloader = dataloader
-        self._trajectory_pool = trajectory_pool
+    def set_module_references(
+        self,
+        dataloader: DataLoaderLike,
+        trajectory_pool: Any = None,
+        validate_dataloader: DataLoaderLike | None = None,
+    ) -> None:
+        """`trajectory_pool` is accepted for the seed's signature and not kept: the pool
+        calls this controller (`form_batch`), never the other way round."""
+        self._dataloader, self._validate_dataloader = dataloader, validate_dataloader
+        self.admission.set_sources(dataloader, validate_dataloader, self._activity_tracker)
 
-    def _ledger(self, tag: ModelTag) -> AdmissionLedger:
-        if tag not in self._ledgers:
-            self._ledgers[tag] = AdmissionLedger(self.policy)
-        return self._ledgers[tag]
+    def set_activity_tracker(self, tracker: TrackerLike) -> None:
+        super().set_activity_tracker(tracker)
+        self.admission.set_sources(self._dataloader, self._validate_dataloader, tracker)
 
-    def _count(self, name: str, n: int = 1) -> None:
-        if self._activity_tracker is not None and n:
-            self._activity_tracker.increment(name, n)
-
-    # -- rollout side -----------------------------------------------------------
-    def check_rollout_service_status(self, model_tag: ModelTag) -> Literal["continue", "block"]:
-        """ "block" while requests must wait (sync: batch trains; fully-async: a push runs)."""
+    # -- tasks (rollout workers, pool) ------------------------------------------------
+    def acquire_task(
+        self, model_tag: ModelTag = DEFAULT_MODEL_TAG, wait_s: float = 0.0
+    ) -> Task | None:
+        """The next task for a rollout worker: a validation task while validating, else a
+        training task once admission allows one more group (waits up to `wait_s`)."""
         with self._lock:
-            if self._validating:
-                return "continue"
-            if self._blocked.get(model_tag, False):
-                return "block"
-            pushing = self._pushing.get(model_tag, False)
-            return "block" if pushing and self._sync_mode == "fully-async" else "continue"
+            validating = self._validating
+        return self.admission.acquire(model_tag, validating, wait_s)
 
-    def acquire_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, wait_s: float = 0.0) -> bool:
-        """Admit one rollout group (True) or not yet (False: ask again later).
+    def complete_task(self, model_tag: ModelTag, task: Task, result: StepResult) -> None:
+        """A worker finished `task` with `result`; it is routed by `TaskAdmission`."""
+        self.admission.complete(model_tag, task, StepResult.of(result))
 
-        With `wait_s` > 0 it waits up to that long for admission, woken by every state
-        change: in Ray mode a refused worker then makes a few calls a second, not hundreds.
-        """
-        deadline = time.monotonic() + wait_s
-        with self._lock:
-            while not self._try_acquire(model_tag):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._validating:  # validation tasks need no admission
-                    return False
-                self._lock.wait(left)
-            return True
+    def requeue_task(self, task: Task) -> None:
+        """Give a task back to the front of its loader (seed `_put_rollout_task`)."""
+        self.admission.requeue(task)
 
-    def _try_acquire(self, model_tag: ModelTag) -> bool:
-        if self._pushing.get(model_tag, False) or self._blocked.get(model_tag, False):
-            return False
-        if not self._ledger(model_tag).acquire():
-            return False
-        self._generating[model_tag] = self._generating.get(model_tag, 0) + 1
-        return True
-
-    @contextmanager
-    def _changing(self) -> Iterator[None]:
-        """The state lock, for a change that may admit waiting rollouts: wakes them after."""
-        with self._lock:
-            yield
-            self._lock.notify_all()
-
-    def finish_generation(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
-        """The admitted group no longer talks to the engine (pairs with `acquire_rollout`)."""
-        with self._changing():
-            self._generating[model_tag] = max(0, self._generating.get(model_tag, 0) - 1)
-
-    def release_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, reason: str = "") -> None:
-        """An admitted group will never land in a batch; `reason` is counted if given."""
-        with self._changing():
-            self._ledger(model_tag).release()
-        if reason:
-            self._count(f"rollout/released/{reason}")
-
-    def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
-        with self._lock:
-            return self._ledger(model_tag).version
-
-    def set_rollout_model_version(self, model_tag: ModelTag, version: int) -> None:
-        """Used on resume: the inference side already serves `version`."""
-        with self._changing():
-            self._ledger(model_tag).set_version(version)
-
-    def set_train_step(self, model_tag: ModelTag, step: int) -> None:
-        """Used on resume: `step` batches were trained before this run."""
-        with self._changing():
-            self._trained[model_tag] = step
-            self._ledger(model_tag).formed = step
+    def form_batch(self, model_tag: ModelTag, groups: list[GroupInfo], need: int) -> BatchPlan:
+        """The pool's one call per batch (see `TaskAdmission.form_batch`)."""
+        return self.admission.form_batch(model_tag, groups, need)
 
     def get_admission_state(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> dict[str, int]:
-        """formed / version / outstanding / generating / tail candidates (tests, metrics)."""
+        return self.admission.snapshot(model_tag)
+
+    def check_rollout_service_status(self, model_tag: ModelTag) -> Literal["continue", "block"]:
+        """ "block" while a fully-async push runs: new requests wait for the new weights."""
         with self._lock:
-            led = self._ledger(model_tag)
-            return {
-                "formed": led.formed,
-                "version": led.version,
-                "outstanding": led.outstanding,
-                "generating": self._generating.get(model_tag, 0),
-                "tail_candidates": len(self._tail.get(model_tag, [])),
-            }
+            pushing = self._pushing.get(model_tag, False)
+            if self._validating or not pushing:
+                return "continue"
+            return "block" if self._sync_mode == "fully-async" else "continue"
 
-    # -- tail batch ---------------------------------------------------------------
-    def add_tail_candidate(self, model_tag: ModelTag, task: dict[str, Any]) -> None:
-        """Hold a too-often-aborted task; serve all candidates once enough wait."""
-        with self._lock:
-            pool = self._tail.setdefault(model_tag, [])
-            pool.append(task)
-            full = len(pool) >= self.policy.tail_trigger
-        self._count("tail_batch/candidates")
-        if full:
-            self.flush_tail_candidates(model_tag)
+    def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        return self.admission.version(model_tag)
 
-    def flush_tail_candidates(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
-        """Serve every waiting candidate now, together, before new data; returns how many."""
-        with self._lock:
-            tasks = self._tail.pop(model_tag, [])
-        for task in reversed(tasks):  # add_item_front: keep their order
-            execute(self._dataloader.add_item_front, {**task, TAIL_KEY: True})
-        if tasks:
-            self._count("tail_batch/served", len(tasks))
-            self._count("tail_batch/batches")
-        return len(tasks)
-
-    # -- pool side ---------------------------------------------------------------
-    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> None:
-        if self._sync_mode != "sync":
-            return
-        with self._lock:
-            self._blocked[model_tag] = True
-        execute(self._trajectory_pool.notify_weight_sync_starting, model_tag)
-
-    def get_staleness_gate(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> tuple[int, int]:
-        """(index of the batch the pool forms next, staleness_threshold)."""
-        with self._lock:
-            return self._ledger(model_tag).formed, self._staleness_threshold
-
-    def notify_batch_formed(self, model_tag: ModelTag, n_groups: int) -> int:
-        """The pool cut the next batch from `n_groups` admitted groups; returns its index."""
-        with self._changing():
-            return self._ledger(model_tag).batch_formed(n_groups)
-
-    # -- train side -------------------------------------------------------------
+    # -- weights (train worker, controller) ----------------------------------------------
     def train_worker_notify_weight_update(self, worker_name: str, model_tag: ModelTag) -> None:
         """The trainer wrote new weights to the sync buffer: push them, maybe validate."""
         with self._lock:
             self._trained[model_tag] = self._trained.get(model_tag, 0) + 1
             due = self._trained[model_tag] % self.policy.sync_every == 0
+        if not due:
+            return
         if self._sync_mode == "sync":
             self.sync_weight_to_rollout_service(model_tag)
-        elif due:
+        else:
             self._wait_validation_done()
             self._async_push(model_tag)
-        else:
-            return
         with self._lock:
             self._syncs_since_validate += 1
-            due = self._validate_freq > 0 and self._syncs_since_validate >= self._validate_freq
-            if due:
+            if self._validate_freq > 0 and self._syncs_since_validate >= self._validate_freq:
                 self._syncs_since_validate = 0
                 self._waiting_for_validation = True
-                return
-        self._unblock(model_tag)
+                if self._sync_mode == "sync":  # the next batch trains on validated weights
+                    self.admission.hold(model_tag, "validation", True)
+
+    def resume_from(self, model_tag: ModelTag, step: int) -> None:
+        """Resume: `step` batches were trained; push the loaded weights as version `step`."""
+        with self._lock:
+            self._trained[model_tag] = step
+        self.admission.set_formed(model_tag, step)
+        self.sync_weight_to_rollout_service(model_tag)
 
     def _wait_validation_done(self) -> None:
         """Async modes: no push while a validation runs (it measures one version)."""
-        while True:
-            with self._lock:
-                if not (self._validating or self._waiting_for_validation):
-                    return
-            time.sleep(_POLL_S)
+        with self._lock:
+            self._lock.wait_for(lambda: not (self._validating or self._waiting_for_validation))
 
     def _async_push(self, model_tag: ModelTag) -> None:
         with self._lock:
-            self._pushing[model_tag] = True  # new rollouts wait (acquire_rollout -> False)
+            self._pushing[model_tag] = True
+        self.admission.hold(model_tag, "push", True)
         try:
-            if self._sync_mode == "batch-async":
-                while True:  # running rollouts finish on the weights they started with
-                    with self._lock:
-                        if self._generating.get(model_tag, 0) == 0:
-                            break
-                    time.sleep(_POLL_S)
+            if self._sync_mode == "batch-async":  # running rollouts finish on their weights
+                self.admission.wait_idle(model_tag)
                 self.sync_weight_to_rollout_service(model_tag)
             elif self.policy.inflight_weight_update:  # swapped between two decode steps
                 self.sync_weight_to_rollout_service(model_tag)
@@ -262,37 +171,34 @@ class WeightSyncController(NexRLModule):
                 finally:
                     self._llm_client.resume()
         finally:
-            with self._changing():
+            with self._lock:
                 self._pushing[model_tag] = False
+                self._lock.notify_all()
+            self.admission.hold(model_tag, "push", False)
 
     def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
-        with self._changing():
-            led = self._ledger(model_tag)
-            version = max(led.version + 1, self._trained.get(model_tag, 0))
-            led.set_version(version)
-        meta = WeightUpdateMeta(version=version, path=self._sync_weight_path)
-        self._llm_client.update_weights(meta)
+        """Push the sync buffer's weights to the inference side as the next version."""
+        with self._lock:
+            version = max(self.admission.version(model_tag) + 1, self._trained.get(model_tag, 0))
+        self._llm_client.update_weights(
+            WeightUpdateMeta(version=version, path=self._sync_weight_path)
+        )
+        self.admission.set_version(model_tag, version)
         logger.debug("pushed weights v%d for %s", version, model_tag)
 
-    def _unblock(self, model_tag: ModelTag) -> None:
-        with self._changing():
-            self._blocked[model_tag] = False
-        if self._sync_mode == "sync":
-            execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
-
-    # -- validation -------------------------------------------------------------
+    # -- validation (controller) ------------------------------------------------------------
     def is_waiting_for_validation(self) -> bool:
         with self._lock:
             return self._waiting_for_validation
 
     def start_validate(self, model_tag: ModelTag) -> None:
-        with self._changing():
+        with self._lock:
             self._validating = True
+            self._lock.notify_all()
 
     def end_validate(self, model_tag: ModelTag) -> None:
-        with self._changing():
+        with self._lock:
             self._validating = False
-            was_waiting = self._waiting_for_validation
             self._waiting_for_validation = False
-        if was_waiting:
-            self._unblock(model_tag)
+            self._lock.notify_all()
+        self.admission.hold(model_tag, "validation", False)

@@ -13,7 +13,7 @@ import pytest
 def ray_local():
     import ray
 
-    from nexrl.distributed.ray_system import RaySettings, actor_env
+    from nexrl.distributed.settings import RaySettings, actor_env
 
     started = not ray.is_initialized()
     if started:

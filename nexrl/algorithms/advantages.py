@@ -20,7 +20,7 @@ import torch
 
 from nexrl.algorithms.registry import Registry
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "algorithm.advantage_estimator")
 
 
 def group_stats(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,7 @@ import torch
 
 from nexrl.algorithms.registry import Registry
 
-AGGREGATIONS = Registry("loss aggregation mode")
+AGGREGATIONS = Registry("loss aggregation mode", "algorithm.loss_agg_mode")
 
 Norm = float | torch.Tensor | None
 

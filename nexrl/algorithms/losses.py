@@ -16,7 +16,7 @@ import torch
 
 from nexrl.algorithms.registry import Registry
 
-POLICY_LOSSES = Registry("policy loss")
+POLICY_LOSSES = Registry("policy loss", "algorithm.loss_fn")
 
 Metrics = dict[str, torch.Tensor]
 

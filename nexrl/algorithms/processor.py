@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,8 +18,10 @@ import torch
 from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from nexrl.algorithms.dapo import mask_truncated, overlong_penalty
 from nexrl.algorithms.kl import apply_kl_penalty
-from nexrl.distributed import execute
+from nexrl.config.schema import AlgorithmConfig
+from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
+from nexrl.protocols import TrainBatchPoolLike, TrainWorkerLike, TrajectoryPoolLike
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,19 @@ def group_index(uids: list[Any]) -> torch.Tensor:
     return torch.tensor([seen.setdefault(u, len(seen)) for u in uids], dtype=torch.long)
 
 
+def reward_of(traj: Trajectory) -> float:
+    """The trajectory's scalar reward; a clear error when a worker set none."""
+    reward = traj.get("reward")
+    if reward is None:
+        raise ValueError(
+            f"trajectory of task {traj.get('uid')!r} has no 'reward': use a rollout worker "
+            "with a reward_fn (rollout_worker.type=single_turn) or set it in your worker"
+        )
+    return float(reward)
+
+
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    rewards = [float(t["reward"]) for t in trajectories]
+    rewards = [reward_of(t) for t in trajectories]
     lengths = [len(t["response_ids"]) for t in trajectories]
     return {
         "reward/mean": statistics.fmean(rewards),
@@ -88,26 +101,45 @@ def async_metrics(trajectories: list[Trajectory], metadata: dict[str, Any]) -> d
     }
 
 
-class BaseAlgorithmProcessor(LoopModule):
-    """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool."""
+@dataclass(frozen=True)
+class ProcessorContext:
+    """What a processor needs from config sections other than `algorithm` and the model."""
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    batch_size: int
+    max_tokens: int
+    pad_token_id: int
+
+
+class BaseAlgorithmProcessor(LoopModule):
+    """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool.
+
+    A processor written as in seed 000 overrides `_fit(batch, update_fn)` only; it can
+    use `collate` and `self.pad_token_id` to build the token-level layout.
+    """
+
+    def __init__(self, config: AlgorithmConfig, context: ProcessorContext) -> None:
         super().__init__()
         self._config = config
-        self._batch_size = int(config.get("batch_size", 0)) or None
-        self._trajectory_pool: Any = None
-        self._train_batch_pool: Any = None
+        self._context = context
+        self.pad_token_id = context.pad_token_id
+        self._trajectory_pool: TrajectoryPoolLike | None = None
+        self._train_batch_pool: TrainBatchPoolLike | None = None
+        self._train_worker: TrainWorkerLike | None = None
         self._loop = LoopThread("algorithm-processor", self._loop_once)
 
     def set_module_references(
-        self, trajectory_pool: Any, train_batch_pool: Any, train_worker: Any = None
+        self,
+        trajectory_pool: TrajectoryPoolLike,
+        train_batch_pool: TrainBatchPoolLike,
+        train_worker: TrainWorkerLike | None = None,
     ) -> None:
+        """`train_worker` gives reference logprobs for a KL reward penalty."""
         self._trajectory_pool = trajectory_pool
         self._train_batch_pool = train_batch_pool
-        self._train_worker = train_worker  # reference logprobs for a KL reward penalty
+        self._train_worker = train_worker
 
     def _loop_once(self) -> bool:
-        batch = self._get_batch(self._batch_size)
+        batch = self._get_batch(self._context.batch_size)
         if batch is None:
             return False
         with self._activity_tracker.track(self._module_name, "process batch"):
@@ -133,28 +165,26 @@ class GRPOProcessor(BaseAlgorithmProcessor):
     DAPO's truncated-completion masking (`mask_truncated`).
     """
 
-    def __init__(self, config: Mapping[str, Any], pad_token_id: int) -> None:
-        super().__init__(config)
-        self._pad_token_id = pad_token_id
-        self._estimator = ADVANTAGE_ESTIMATORS.get(config.get("advantage_estimator", "grpo"))
-        self._estimator_kwargs = dict(config.get("advantage_kwargs") or {})
-        self._train_worker: Any = None
+    def __init__(self, config: AlgorithmConfig, context: ProcessorContext) -> None:
+        super().__init__(config, context)
+        self._estimator = ADVANTAGE_ESTIMATORS.get(config.advantage_estimator)
+        self._estimator_kwargs = dict(config.advantage_kwargs or {})
 
     def _shaped_rewards(
-        self, trajectories: list[Trajectory], values: dict[str, Any], batch: Batch
+        self, trajectories: list[Trajectory], values: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, extra = self._config, {}
-        rewards = torch.tensor([float(t["reward"]) for t in trajectories])
-        if int(cfg.get("overlong_buffer_len", 0)) > 0:
+        rewards = torch.tensor([reward_of(t) for t in trajectories])
+        if cfg.overlong_buffer_len > 0:
             lengths = torch.tensor([len(t["response_ids"]) for t in trajectories])
             rewards = rewards + overlong_penalty(
                 lengths,
-                int(cfg["max_tokens"]),
-                int(cfg["overlong_buffer_len"]),
-                float(cfg.get("overlong_penalty_factor", 1.0)),
+                self._context.max_tokens,
+                cfg.overlong_buffer_len,
+                cfg.overlong_penalty_factor,
             )
-        if float(cfg.get("kl_in_reward_coef", 0.0)) > 0:
-            ref = execute(self._train_worker.compute_ref_logprobs, Batch(values))
+        if cfg.kl_in_reward_coef > 0:
+            ref = execute(self._train_worker.compute_ref_logprobs, Batch(dict(values)))
             if ref is None:
                 raise ValueError(
                     "algorithm.kl_in_reward_coef > 0 needs "
@@ -166,19 +196,19 @@ class GRPOProcessor(BaseAlgorithmProcessor):
                 values["behavior_logprobs"],
                 ref,
                 values["loss_mask"],
-                float(cfg["kl_in_reward_coef"]),
-                cfg.get("kl_in_reward_estimator", "k1"),
+                cfg.kl_in_reward_coef,
+                cfg.kl_in_reward_estimator,
             )
             extra = {k: float(v) for k, v in kl.items()}
         return rewards, extra
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
         trajectories = batch.to_trajectories()
-        values = collate(trajectories, self._pad_token_id)
-        if self._config.get("mask_truncated", False):
+        values = collate(trajectories, self.pad_token_id)
+        if self._config.mask_truncated:
             finish = [t["finish_reason"] for t in trajectories]
             values["loss_mask"] = mask_truncated(values["loss_mask"], finish)
-        rewards, shaping_metrics = self._shaped_rewards(trajectories, values, batch)
+        rewards, shaping_metrics = self._shaped_rewards(trajectories, values)
         values["rewards"] = rewards
         values["advantages"] = self._estimator(
             rewards,

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the key."""
 
 
-def _register_schema() -> None:
+def register_schema() -> None:
+    """Make `rl_train_schema` (the packaged yaml's base) known to Hydra."""
     ConfigStore.instance().store(name="rl_train_schema", node=RLTrainConfig)
 
 
@@ -34,7 +35,7 @@ def load_config(
     config_dir: str | Path | None = None,
 ) -> DictConfig:
     """Compose `config_name` from `config_dir` (default: the packaged configs) with overrides."""
-    _register_schema()
+    register_schema()
     directory = Path(config_dir).resolve() if config_dir else PACKAGE_CONFIG_DIR
     GlobalHydra.instance().clear()
     try:

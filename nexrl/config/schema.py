@@ -28,7 +28,10 @@ class DataConfig:
     split: str = "train"
     """Split to read (`train` or `validation` for the built-in task)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt text."""
+    """Column holding the prompt: text, or chat messages (a list of {role, content})
+    rendered with the tokenizer's chat template."""
+    system_prompt: str | None = None
+    """System message for every prompt (a text prompt becomes [system, user]); null: none."""
     shuffle: bool = True
     """Shuffle each epoch."""
     seed: int = 42

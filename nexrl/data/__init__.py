@@ -6,47 +6,28 @@ also accepts an import path "pkg.module:ClassName" for user loaders.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from nexrl.config.schema import DataConfig
 from nexrl.data.base import BaseDataLoader, InMemoryDataLoader
 from nexrl.data.hf import HFDataLoader, load_hf_dataset
 from nexrl.data.tasks import TASK_WRITERS, shift_word, write_shift_task, write_task
+from nexrl.registry import Registry, import_object
 
-DATALOADER_REGISTRY: dict[str, type[BaseDataLoader]] = {
-    "hf": HFDataLoader,
-    "torch": HFDataLoader,  # seed 000's name for the file-backed loader
-    "memory": InMemoryDataLoader,
-    "mock": InMemoryDataLoader,
-}
-
-
-def import_object(path: str) -> Any:
-    """Resolve "pkg.module:attr" to the object it names."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"import path {path!r} must look like 'pkg.module:name'")
-    module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError as exc:
-        raise ValueError(f"import path {path!r}: module has no attribute {attr!r}") from exc
+DATALOADER_REGISTRY = Registry("data loader", "data.type")
+DATALOADER_REGISTRY.add("hf", HFDataLoader)
+DATALOADER_REGISTRY.add("torch", HFDataLoader)  # seed 000's name for the file-backed loader
+DATALOADER_REGISTRY.add("memory", InMemoryDataLoader)
+DATALOADER_REGISTRY.add("mock", InMemoryDataLoader)
 
 
-def create_dataloader(config: Mapping[str, Any], is_validate: bool = False) -> BaseDataLoader:
-    """Build the loader named by `config.type` (default "hf") or an import path."""
-    kind = str(config.get("type", None) or "hf")
-    if kind in DATALOADER_REGISTRY:
-        cls = DATALOADER_REGISTRY[kind]
-    elif ":" in kind:
-        cls = import_object(kind)
-    else:
-        raise ValueError(
-            f"data.type: unknown loader {kind!r}; valid choices: "
-            f"{', '.join(DATALOADER_REGISTRY)} or 'pkg.module:ClassName'"
-        )
-    return cls(config, is_validate=is_validate)
+def create_dataloader(
+    config: DataConfig | Mapping[str, Any], is_validate: bool = False
+) -> BaseDataLoader:
+    """Build the loader named by `config.type` (a registered name or an import path)."""
+    kind = config.type if isinstance(config, DataConfig) else str(config.get("type") or "hf")
+    return DATALOADER_REGISTRY.get(kind)(config, is_validate=is_validate)
 
 
 __all__ = [

@@ -23,6 +23,8 @@ first N rows of the file).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +32,23 @@ from typing import Any
 
 import numpy as np
 
+from nexrl.config.schema import DataConfig, ValidateConfig
 from nexrl.data.base import BaseDataLoader
+
+
+def as_data_config(config: DataConfig | Mapping[str, Any], is_validate: bool = False) -> DataConfig:
+    """The typed `data` section; a plain mapping must use its keys only, and what it leaves
+    out takes the schema's default for `data` (or for `validate.data`)."""
+    if isinstance(config, DataConfig):
+        return config
+    raw = {k: v for k, v in dict(config).items() if v is not None}
+    valid = set(DataConfig.__dataclass_fields__)
+    unknown = sorted(set(raw) - valid)
+    if unknown:
+        raise ValueError(f"unknown data key(s) {unknown}; valid: {sorted(valid)}")
+    base = ValidateConfig().data if is_validate else DataConfig()
+    return dataclasses.replace(base, **raw)
+
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -38,23 +56,22 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 class HFDataLoader(BaseDataLoader):
     """Rows of a `datasets.Dataset`, each returned with `index` (row) and `uid` (epoch, row)."""
 
-    def __init__(self, config: Mapping[str, Any], is_validate: bool = False) -> None:
+    def __init__(self, config: DataConfig | Mapping[str, Any], is_validate: bool = False) -> None:
+        config = as_data_config(config, is_validate)
         super().__init__(config, is_validate)
-        if not config.get("path"):
+        if not config.path:
             raise ValueError("data.path: a dataset file or directory is required")
-        self._path = str(config["path"])
-        self._prompt_key = str(config.get("prompt_key", None) or "prompt")
-        shuffle = config.get("shuffle", None)
-        self._shuffle = (not is_validate) if shuffle is None else bool(shuffle)
-        self._seed = int(config.get("seed", None) or 0)
-        epochs = config.get("num_epochs", None)
-        self._num_epochs = 1 if is_validate else (None if epochs is None else int(epochs))
+        self._path = str(config.path)
+        self._prompt_key = config.prompt_key
+        self._shuffle = config.shuffle
+        self._seed = config.seed
+        epochs = config.num_epochs
+        self._num_epochs = 1 if is_validate else epochs
         if self._num_epochs is not None and self._num_epochs < 1:
             raise ValueError(f"data.num_epochs must be >= 1 or null, got {epochs!r}")
-        ds = load_hf_dataset(self._path, str(config.get("split", None) or "train"))
-        max_items = config.get("max_items", None)
-        if max_items is not None:
-            ds = ds.select(range(min(int(max_items), len(ds))))
+        ds = load_hf_dataset(self._path, config.split)
+        if config.max_items is not None:
+            ds = ds.select(range(min(config.max_items, len(ds))))
         validate_rows(ds, self._prompt_key, self._path)
         self._dataset = ds
         self._epoch = 0

@@ -14,6 +14,7 @@ Enabled by `ray.train_ranks.bundles_per_node` (e.g. `[2]`); see docs/ray.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,27 +125,18 @@ class RayDataParallelTrainClient:
 
 def build_ray_train_worker(cfg: DictConfig) -> Any:
     """TRAIN_WORKER builder for Ray mode: data-parallel ranks when `ray.train_ranks` asks."""
-    from nexrl.builders import _plain, build_train_worker
-    from nexrl.distributed.ray_system import RaySettings, actor_env
-    from nexrl.training.train_worker import TrainWorker
+    from nexrl.builders import build_train_worker, engine_config
+    from nexrl.distributed.settings import RaySettings, actor_env
 
     settings = RaySettings.from_config(cfg)
     ranks = dict(settings.train_ranks)
     if not ranks.get("bundles_per_node"):
         return build_train_worker(cfg)
-    engine = _plain(cfg.train_worker.engine)
-    engine["total_steps"] = engine["total_steps"] or cfg.train_worker.total_train_steps
     client = RayDataParallelTrainClient(
-        _plain(cfg.service.train_service),
-        engine,
+        OmegaConf.to_container(cfg.service.train_service, resolve=True),
+        dataclasses.asdict(engine_config(cfg)),
         cfg.model_path,
         env_vars=actor_env(settings),
         **ranks,
     )
-    return TrainWorker(
-        cfg.train_worker,
-        client,
-        OmegaConf.to_container(cfg.algorithm, resolve=True),
-        checkpoint_path=cfg.train_worker.checkpoint_path,
-        sync_weight_path=cfg.train_worker.sync_weight_path,
-    )
+    return build_train_worker(cfg, client=client)

@@ -17,10 +17,7 @@ process-wide per model tag); this is checked at start.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -28,90 +25,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nexrl.builders import BUILDERS, inference_config
-from nexrl.config.schema import RayConfig
-from nexrl.distributed.execute import execute, set_default_timeout
-from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager, runtime_env_for
+from nexrl.distributed.resource_manager import RayResourceManager, runtime_env_for
+from nexrl.distributed.settings import IN_PROCESS_BACKENDS, RaySettings, actor_env, init_ray
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
+from nexrl.execute import set_default_timeout
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
-from nexrl.system import LocalSystem
+from nexrl.system import ModuleSystem
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_COLOCATION: dict[str, str | None] = {
-    NexRLRole.DATA_LOADER.value: "data",
-    NexRLRole.VALIDATE_DATALOADER.value: "data",
-    NexRLRole.TRAJECTORY_POOL.value: "data",
-    NexRLRole.TRAIN_BATCH_POOL.value: "data",
-    NexRLRole.VALIDATOR.value: "data",
-    NexRLRole.TRAIN_WORKER.value: "train",
-    NexRLRole.ALGORITHM_PROCESSOR.value: "train",
-    NexRLRole.ROLLOUT_WORKER.value: "rollout",
-    NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
-}
-IN_PROCESS_BACKENDS = ("builtin", "hf")
-
-
-@dataclass
-class RaySettings(RayConfig):
-    """The `ray.*` section (schema: `nexrl.config.schema.RayConfig`, docs/ray.md) with the
-    colocation layout resolved over `DEFAULT_COLOCATION`."""
-
-    colocation: dict[str, str | None] = field(default_factory=lambda: dict(DEFAULT_COLOCATION))
-
-    @classmethod
-    def from_config(cls, config: DictConfig) -> RaySettings:
-        section = OmegaConf.select(config, "ray", default=None)
-        raw = OmegaConf.to_container(section, resolve=True) if section is not None else {}
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(
-                f"unknown ray key(s) {unknown}; valid: {sorted(cls.__dataclass_fields__)}"
-            )
-        raw = {k: v for k, v in raw.items() if v is not None}
-        colocation = {**DEFAULT_COLOCATION, **(raw.pop("colocation", None) or {})}
-        bad = sorted(set(colocation) - {r.value for r in NexRLRole})
-        if bad:
-            raise ValueError(
-                f"ray.colocation: unknown role(s) {bad}; roles: {[r.value for r in NexRLRole]}"
-            )
-        return cls(**raw, colocation=colocation)
-
-    def group_options(self) -> dict[str, GroupOptions]:
-        names = {g for g in self.colocation.values() if g} | set(self.groups)
-        base = {"max_concurrency": self.max_concurrency, "max_restarts": self.max_restarts}
-        out = {}
-        for name in names:
-            opts = {**base, **(self.groups.get(name) or {})}
-            unknown = sorted(set(opts) - set(GroupOptions.__dataclass_fields__))
-            if unknown:
-                raise ValueError(f"ray.groups.{name}: unknown key(s) {unknown}")
-            out[name] = GroupOptions(**opts)
-        return out
-
-
-def init_ray(settings: RaySettings) -> bool:
-    """`ray.init` unless already connected; True when this call started/connected Ray."""
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"namespace": settings.namespace}
-    if settings.address:  # joining a cluster: its resources are set by `ray start`
-        kwargs["address"] = settings.address
-    else:
-        kwargs.update(
-            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, include_dashboard=False
-        )
-    ray.init(**kwargs, runtime_env={"env_vars": actor_env(settings)})
-    return True
-
-
-def actor_env(settings: RaySettings) -> dict[str, str]:
-    """What actors inherit from the driver: NEXRL_* variables, the import path, timeouts."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(("NEXRL_", "HF_"))}
-    paths = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env["NEXRL_EXECUTE_TIMEOUT_S"] = str(settings.execute_timeout_s)
-    return env
 
 
 def check_layout(cfg: DictConfig, colocation: dict[str, str | None]) -> None:
@@ -177,8 +99,9 @@ def start_inference_replicas(
     return cluster, actors, cfg
 
 
-class RaySystem:
-    """Every module in a Ray actor; the driver holds wrappers (see module docstring)."""
+class RaySystem(ModuleSystem):
+    """Every module in a Ray actor; the driver holds wrappers (see module docstring).
+    `stop()` stops the module loops; the actors stay up until `shutdown()`."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = RaySettings.from_config(cfg)
@@ -214,8 +137,8 @@ class RaySystem:
             self.resource_manager.register_role(role, builder, cfg, counts.get(role, 1), group)
         self.resource_manager.create_all_actors()
         self._bind_wrappers()
-        self._name_and_track(ActivityTrackerProxy(self.activity_tracker))
-        LocalSystem._wire(self)  # the same wiring calls, through execute
+        self.name_and_track(ActivityTrackerProxy(self.activity_tracker))
+        self.wire()  # the same wiring calls as local mode, through execute
 
     def _bind_wrappers(self) -> None:
         def one(role: NexRLRole) -> Any:
@@ -232,23 +155,6 @@ class RaySystem:
         self.rollout_workers = list(
             self.resource_manager.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
         )
-
-    def _name_and_track(self, proxy: ActivityTrackerProxy) -> None:
-        for name, module, is_rollout in LocalSystem._named(self):  # type: ignore[arg-type]
-            execute(module.set_module_name, name)
-            execute(module.set_activity_tracker, proxy)
-            execute(self.activity_tracker.register_module, name, module, is_rollout)
-
-    def start(self) -> None:
-        LocalSystem.start(self)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        """Stop the module loops; the actors stay up until `shutdown()`."""
-        for module in reversed(self._loops()):
-            execute(module.stop)
-
-    def _loops(self) -> list[Any]:
-        return LocalSystem._loops(self)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
         """Kill every actor of this run (and Ray itself if this system started it)."""

@@ -24,9 +24,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nexrl.distributed.execute import default_timeout
 from nexrl.distributed.resource_manager import runtime_env_for
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
+from nexrl.execute import default_timeout
 
 
 class RayWorker:

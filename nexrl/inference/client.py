@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from nexrl.distributed.execute import execute
+from nexrl.config.schema import InferenceServiceConfig
+from nexrl.execute import execute
 from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
@@ -42,6 +45,7 @@ _ENGINE_OPTIONS = (
     "emulated_step_latency_s",
 )
 _BLOCK_POLL_S = 0.02
+RECENT_SAMPLES = 256
 
 _local_engines: dict[str, InferenceEngine] = {}
 _local_lock = threading.Lock()
@@ -127,20 +131,38 @@ def result_dict(prompt: Any, response: GenerationResponse, version: int) -> dict
     }
 
 
+def as_inference_config(config: InferenceServiceConfig | Mapping) -> InferenceServiceConfig:
+    """The typed `service.inference_service` section. A flat mapping (the section with its
+    `engine` options merged in, as `nexrl.builders.inference_config` makes) is split back:
+    section keys go to their fields, every other key is an engine option."""
+    if isinstance(config, InferenceServiceConfig):
+        return config
+    raw = {k: v for k, v in dict(config or {}).items() if v is not None}
+    fields = set(InferenceServiceConfig.__dataclass_fields__) - {"engine"}
+    engine = {**dict(raw.pop("engine", None) or {})}
+    engine.update({k: v for k, v in raw.items() if k not in fields})
+    return InferenceServiceConfig(**{k: v for k, v in raw.items() if k in fields}, engine=engine)
+
+
 class LLMServiceClient:
     """Client for the `service.inference_service` config section (see docs/inference.md)."""
 
-    def __init__(self, config: Mapping, engine: InferenceEngine | None = None) -> None:
-        self.config = dict(config or {})
-        self.backend: str = _cfg(self.config, "backend", "builtin")
+    def __init__(
+        self, config: InferenceServiceConfig | Mapping, engine: InferenceEngine | None = None
+    ) -> None:
+        section = as_inference_config(config)
+        self.config = {**asdict(section), **section.engine}
+        self.config.pop("engine", None)
+        self.backend: str = section.backend
         if self.backend not in LOCAL_BACKENDS + REMOTE_BACKENDS:
             raise ValueError(
-                f"inference_service.backend={self.backend!r}; "
+                f"service.inference_service.backend={self.backend!r}; "
                 f"choose one of {LOCAL_BACKENDS + REMOTE_BACKENDS}"
             )
-        self._model_tag: str = _cfg(self.config, "model_tag", "default")
-        self.max_retries = int(_cfg(self.config, "max_retries", 3))
-        self.freeze_for_weight_sync = bool(_cfg(self.config, "freeze_for_weight_sync", True))
+        self._model_tag: str = section.model_tag
+        self.max_retries = section.max_retries
+        self.freeze_for_weight_sync = section.freeze_for_weight_sync
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_SAMPLES)
         self._controller: Any = None
         self._engine: InferenceEngine | None = None
         self._remote = None
@@ -177,9 +199,21 @@ class LLMServiceClient:
             raise ValueError("completion() needs exactly one of `prompt` or `prompt_ids`")
         self._wait_for_weight_sync()
         if self._remote is not None:
-            return self._retrying(self._remote.completion, prompt, prompt_ids, kwargs)
+            return self._record(self._retrying(self._remote.completion, prompt, prompt_ids, kwargs))
         ids = prompt_ids if prompt_ids is not None else self._encode(prompt)
-        return self._retrying(self._local_generate, prompt, ids, kwargs)
+        return self._record(self._retrying(self._local_generate, prompt, ids, kwargs))
+
+    def _record(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Keep the latest samples (token ids, logprobs, versions), so that a trajectory
+        written with response text only can be completed token-exactly."""
+        shared = {k: v for k, v in result.items() if k != "choices"}
+        for choice in result.get("choices") or []:
+            self._recent.append({**shared, **choice})
+        return result
+
+    def recent_samples(self) -> list[dict[str, Any]]:
+        """The latest samples this client returned, oldest first."""
+        return list(self._recent)
 
     def generate(self, messages: list[dict], **kwargs: Any) -> dict[str, Any]:
         """Chat: apply the tokenizer's chat template, then complete. Adds `messages`."""
@@ -194,7 +228,7 @@ class LLMServiceClient:
             result = self._retrying(self._local_generate, prompt, list(ids), kwargs)
         result["messages"] = messages
         result.setdefault("tool_calls", [])
-        return result
+        return self._record(result)
 
     def _local_generate(self, prompt: Any, ids: list[int], kwargs: Mapping) -> dict[str, Any]:
         version = self._engine.version

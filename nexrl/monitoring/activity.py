@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nexrl.distributed.execute import execute
+from nexrl.execute import execute
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
 from nexrl.monitoring.loggers import ExperimentLogger
 

@@ -15,12 +15,9 @@ Stores are not thread-safe on their own: `TrajectoryPoolInstance` holds the lock
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from nexrl.types import Trajectory
-
-GroupPredicate = Callable[[list[Trajectory]], bool]
 
 
 class TrajectoryStore(Protocol):
@@ -38,8 +35,12 @@ class TrajectoryStore(Protocol):
 
     def drain_incomplete(self) -> list[Trajectory]: ...
 
-    def remove_ready_groups(self, pred: GroupPredicate) -> list[list[Trajectory]]:
-        """Remove and return the complete groups for which `pred(group)` is true."""
+    def ready_groups(self) -> list[list[Trajectory]]:
+        """The complete groups, oldest first (a view: do not modify)."""
+        ...
+
+    def pop_groups(self, positions: list[int]) -> list[list[Trajectory]]:
+        """Remove and return the complete groups at `positions` of `ready_groups()`."""
         ...
 
 
@@ -67,11 +68,12 @@ class _ReadyQueue:
         self.groups.clear()
         self.count = 0
 
-    def remove_where(self, pred: GroupPredicate) -> list[list[Trajectory]]:
-        """Remove the groups matching `pred` (the rest keep their order)."""
-        removed = [g for g in self.groups if pred(g)]
+    def pop_positions(self, positions: list[int]) -> list[list[Trajectory]]:
+        """Remove the groups at `positions` (the rest keep their order)."""
+        chosen = set(positions)
+        removed = [g for i, g in enumerate(self.groups) if i in chosen]
         if removed:
-            self.groups = deque(g for g in self.groups if not pred(g))
+            self.groups = deque(g for i, g in enumerate(self.groups) if i not in chosen)
             self.count -= sum(len(g) for g in removed)
         return removed
 
@@ -104,8 +106,11 @@ class SimpleTrajectoryStore:
     def drain_incomplete(self) -> list[Trajectory]:
         return []
 
-    def remove_ready_groups(self, pred: GroupPredicate) -> list[list[Trajectory]]:
-        return self._ready.remove_where(pred)
+    def ready_groups(self) -> list[list[Trajectory]]:
+        return list(self._ready.groups)
+
+    def pop_groups(self, positions: list[int]) -> list[list[Trajectory]]:
+        return self._ready.pop_positions(positions)
 
 
 def _group_value(traj: Trajectory, key: str) -> Any:
@@ -169,8 +174,11 @@ class HierarchicalTrajectoryStore:
     def __len__(self) -> int:
         return self._ready.count + self._pending
 
-    def remove_ready_groups(self, pred: GroupPredicate) -> list[list[Trajectory]]:
-        return self._ready.remove_where(pred)
+    def ready_groups(self) -> list[list[Trajectory]]:
+        return list(self._ready.groups)
+
+    def pop_groups(self, positions: list[int]) -> list[list[Trajectory]]:
+        return self._ready.pop_positions(positions)
 
     def clear(self) -> None:
         self._tree.clear()

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping
-from typing import Any
 
+from nexrl.config.schema import TrainBatchPoolConfig
 from nexrl.module import NexRLModule
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag
 
 
 class TrainBatchPool(NexRLModule):
-    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, config: TrainBatchPoolConfig | None = None) -> None:
         super().__init__()
-        config = config if config is not None else {}
-        max_size = config.get("max_size", None)
-        self._max_size = None if max_size is None else int(max_size)
+        self._max_size = (config or TrainBatchPoolConfig()).max_size
         self._queues: dict[ModelTag, deque[Batch]] = {}
         self._lock = threading.Condition()  # put_batch notifies waiting get_batch calls
 

@@ -1,54 +1,41 @@
 """`TrajectoryPool`: collects trajectories per model tag and hands out batches of whole groups.
 
-Each model tag gets a `TrajectoryPoolInstance` (its own store, lock and
-weight-sync gate). Readiness rules (`check_batch_ready_function`):
+Each model tag gets a `TrajectoryPoolInstance` (its own store and lock).
+Readiness rules (`check_batch_ready_function`):
 
 - "batch_size": a batch is ready when `batch_size` trajectories of complete
   groups are waiting.
 - "loaded_batch_finished": as above, plus the tail: when the data loader is
   finished and the rollout workers are quiescent (every loaded task has
   arrived), whatever complete groups remain form one smaller final batch.
-  The tail is detected when polled (`get_batch`, `is_batch_ready`), since the
-  worker that puts the last trajectory is itself still busy.
 
-Weight-sync gate, in this order: the weight sync controller calls
-`notify_weight_sync_starting(tag)`; from then on puts return "re-rollout"
-(the worker gives the task back to the loader); after the new weights are live
-it calls `unlock_for_weight_sync(tag)`. A group put with
-`put_trajectory_group` is accepted or refused as a whole, so the gate can
-never split a GRPO group.
+Forming a batch is one call to the weight-sync controller, the owner of tasks:
+`form_batch(tag, groups, need)` gets the ready groups' task ids and oldest
+token versions and answers which groups form the batch (its index) and which
+are staler than the bound (their tasks are re-queued by the controller; the
+pool only discards their trajectories). The pool never touches a loader's queue
+and needs no lock against weight syncs: admission keeps rollouts within budget.
 
-Strict staleness (drop and resample): when a batch forms, the pool asks the
-weight sync controller for the batch's index j and the bound k
-(`get_staleness_gate`); a ready group whose oldest token version v has
-j - v > k is dropped, its task (`trajectory["_nexrl_task"]`) goes back to the
-front of the loader, the admission slot is released and `staleness/dropped`
-counted; the batch keeps filling from the other groups. The formed batch is
-reported with `notify_batch_formed` and carries `batch_index` and
-`staleness_dropped` in its metadata.
-
-Every time a put or poll makes another batch ready, the pool calls
-`execute(weight_sync_controller.trajectory_pool_notify_batch_ready, tag)` once
-for that batch, outside the pool's lock (the controller may call back).
+A group put with `put_trajectory_group` is accepted or refused as a whole.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
 
-from nexrl.distributed.execute import execute
+from nexrl.config.schema import TrajectoryPoolConfig
+from nexrl.execute import execute
 from nexrl.module import NexRLModule
 from nexrl.monitoring.errors import ErrorSeverity
 from nexrl.pools.stores import make_store
-from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
+from nexrl.protocols import DataLoaderLike, TrackerLike, WeightSyncLike
+from nexrl.rollout.admission import BatchPlan, GroupInfo
+from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, check_trajectory
 
 logger = logging.getLogger(__name__)
 
 CHECK_BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished")
-TASK_KEY = "_nexrl_task"  # the task a trajectory came from (re-queued if dropped as stale)
 
 
 def min_version(traj: Trajectory) -> int | None:
@@ -60,185 +47,117 @@ def min_version(traj: Trajectory) -> int | None:
     return None if version is None else int(version)
 
 
-def is_stale(group: list[Trajectory], gate: tuple[int, int] | None) -> bool:
-    """Would `group` break the bound in batch `gate[0]` (bound `gate[1]`)?"""
-    if gate is None:
-        return False
-    index, threshold = gate
+def group_info(group: list[Trajectory]) -> GroupInfo:
     versions = [v for v in map(min_version, group) if v is not None]
-    return bool(versions) and index - min(versions) > threshold
+    return GroupInfo(group[0].get("task_id"), min(versions) if versions else None)
+
+
+class PoolRefs:
+    """The pool's references, shared by its instances (set after construction)."""
+
+    def __init__(self) -> None:
+        self.dataloader: DataLoaderLike | None = None
+        self.wsc: WeightSyncLike | None = None
+        self.tracker: TrackerLike | None = None
 
 
 class TrajectoryPoolInstance:
-    """Store, lock and weight-sync gate for one model tag."""
+    """Store and lock for one model tag."""
 
     def __init__(
         self,
         model_tag: ModelTag,
-        batch_size: int,
-        group_size: int,
-        key_list: list[str],
-        check_batch_ready_function: str = "batch_size",
+        config: TrajectoryPoolConfig,
+        refs: PoolRefs,
     ) -> None:
         self.model_tag = model_tag
-        self.batch_size = batch_size
-        self.group_size = group_size if key_list else 1
-        self._store = make_store(key_list, group_size)
-        self._ready_rule = check_batch_ready_function
+        self.batch_size = config.batch_size
+        self.group_size = config.group_size if config.key_list else 1
+        self._store = make_store(list(config.key_list), config.group_size)
+        self._ready_rule = config.check_batch_ready_function
         self._lock = threading.RLock()
-        self._locked = False
-        self._notified = 0  # ready batches already announced to the weight sync controller
-        self._dropped = 0  # stale groups dropped since the last batch was formed
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
-        self._activity_tracker: Any = None
-
-    def set_module_references(
-        self, dataloader: Any, weight_sync_controller: Any, activity_tracker: Any = None
-    ) -> None:
-        self._dataloader = dataloader
-        self._weight_sync_controller = weight_sync_controller
-        self._activity_tracker = activity_tracker
+        self._forming = threading.Lock()  # one batch formation at a time
+        self._refs = refs
 
     # ---- puts -------------------------------------------------------------
-    def put_trajectory(self, trajectory: Trajectory) -> str:
-        return self.put_trajectory_group([trajectory])
-
     def put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
-        """All or nothing: "success", "re-rollout" (gate closed) or "fail" (bad trajectory)."""
-        with self._lock:
-            if self._locked:
-                return "re-rollout"
-            try:
+        """All or nothing: "success", or "fail" (a malformed trajectory; reported)."""
+        try:
+            for traj in trajectories:
+                check_trajectory(traj)
+            with self._lock:
                 self._store.add_group(trajectories)
-            except KeyError as exc:
-                reason = exc.args[0]
-            else:
-                reason = None
-        if reason is not None:
-            self.report_rejected(reason, len(trajectories))
+        except (KeyError, ValueError) as exc:
+            self.report_rejected(str(exc.args[0]), len(trajectories))
             return "fail"
-        self._announce_ready_batches(tail=False)
         return "success"
 
     def report_rejected(self, reason: str, n: int) -> None:
         message = f"trajectory pool [{self.model_tag}] rejected {n} trajectories: {reason}"
         logger.warning(message)
-        if self._activity_tracker is not None:
-            self._activity_tracker.report_error(
+        if self._refs.tracker is not None:
+            self._refs.tracker.report_error(
                 "trajectory_pool", "put_trajectory", message, ErrorSeverity.WARNING
             )
 
     # ---- readiness ----------------------------------------------------------
     def _tail_reached(self) -> bool:
         """Loader finished and no rollout worker busy: everything loaded has arrived."""
-        if self._ready_rule != "loaded_batch_finished" or self._dataloader is None:
+        if self._ready_rule != "loaded_batch_finished" or self._refs.dataloader is None:
             return False
-        if not execute(self._dataloader.is_finished):
+        if not execute(self._refs.dataloader.is_finished):
             return False
-        tracker = self._activity_tracker
+        tracker = self._refs.tracker
         return tracker is None or bool(tracker.is_rollout_worker_quiescent())
 
-    def _ready_batches(self, tail: bool) -> int:
-        ready = self._store.num_ready()
-        full = ready // self.batch_size
-        return full + 1 if tail and ready % self.batch_size else full
-
-    def _announce_ready_batches(self, tail: bool) -> int:
-        """Notify the weight sync controller of batches not yet announced; returns #ready."""
-        with self._lock:
-            ready = self._ready_batches(tail)
-            new = max(0, ready - self._notified)
-            self._notified = max(self._notified, ready)
-        wsc = self._weight_sync_controller
-        if wsc is not None:
-            for _ in range(new):
-                execute(wsc.trajectory_pool_notify_batch_ready, self.model_tag)
-        return ready
-
     def is_batch_ready(self) -> bool:
-        return self._announce_ready_batches(self._tail_reached()) > 0
+        with self._lock:
+            ready = self._store.num_ready()
+        return ready >= self.batch_size or (ready > 0 and self._tail_reached())
 
     # ---- gets ---------------------------------------------------------------
     def get_batch(self, batch_size: int | None = None) -> Batch | None:
-        """Exactly `batch_size` trajectories of whole groups (or the tail), else None.
-
-        Groups that would be staler than the weight sync controller's bound in
-        this batch are dropped first and their tasks re-queued (`_resample`).
-        """
+        """Exactly `batch_size` trajectories of whole groups (or the tail), else None."""
         size = self.batch_size if batch_size is None else int(batch_size)
         if size < 1 or size % self.group_size:
             raise ValueError(
                 f"batch_size {size} must be a positive multiple of group_size {self.group_size}"
             )
-        tail = self._tail_reached()
-        self._announce_ready_batches(tail)
-        gate = self._staleness_gate()
-        with self._lock:
-            stale = self._store.remove_ready_groups(lambda g: is_stale(g, gate)) if gate else []
-            ready = self._store.num_ready()
-            trajs: list[Trajectory] | None = None
-            if ready >= size:
-                trajs = self._store.take(size)
-            elif tail and ready > 0:
-                trajs = self._store.take(ready)
-            self._dropped += len(stale)
-            dropped = self._dropped
-            if trajs is not None:
-                self._dropped = 0
-                self._notified = max(0, self._notified - 1)
-            self._notified = min(self._notified, self._ready_batches(tail))
-        self._resample(stale)
-        if trajs is None:
+        with self._forming:
+            with self._lock:
+                groups = self._store.ready_groups()
+            ready = sum(len(g) for g in groups)
+            tail = ready < size and ready > 0 and self._tail_reached()
+            if ready < size and not tail:
+                return None
+            need = 0 if tail else size // self.group_size
+            plan = self._plan([group_info(g) for g in groups], need)
+            with self._lock:
+                picked = self._store.pop_groups(plan.take + plan.stale)
+        if plan.stale:
+            logger.info(
+                "trajectory pool [%s]: dropped %d stale groups", self.model_tag, len(plan.stale)
+            )
+        by_pos = dict(zip(sorted(plan.take + plan.stale), picked, strict=True))
+        trajs = [t for pos in plan.take for t in by_pos[pos]]
+        if not trajs:
             return None
-        index = self._batch_formed(len(trajs) // self.group_size)
         return Batch.from_trajectories(
             trajs,
             model_tag=self.model_tag,
             group_size=self.group_size,
-            batch_index=index,
-            staleness_dropped=dropped,
+            batch_index=plan.index,
+            staleness_dropped=len(plan.stale),
         )
 
-    # ---- staleness: drop and resample -------------------------------------------
-    def _staleness_gate(self) -> tuple[int, int] | None:
-        """(batch index, bound) from a controller that enforces staleness, else None."""
-        gate = getattr(self._weight_sync_controller, "get_staleness_gate", None)
-        return None if gate is None else tuple(execute(gate, self.model_tag))
+    def _plan(self, groups: list[GroupInfo], need: int) -> BatchPlan:
+        wsc = self._refs.wsc
+        if wsc is not None:
+            return execute(wsc.form_batch, self.model_tag, groups, need)
+        take = list(range(len(groups)))[: need or None]  # no controller: plain FIFO
+        return BatchPlan(index=None, take=take if len(take) >= max(need, 1) else [])
 
-    def _batch_formed(self, n_groups: int) -> int | None:
-        formed = getattr(self._weight_sync_controller, "notify_batch_formed", None)
-        return None if formed is None else execute(formed, self.model_tag, n_groups)
-
-    def _resample(self, stale: list[list[Trajectory]]) -> None:
-        """Give each dropped group's task back (served first) and count the drop."""
-        for group in stale:
-            task = group[0].get(TASK_KEY)
-            if task is None or self._dataloader is None:
-                raise RuntimeError(
-                    f"trajectory pool [{self.model_tag}]: stale group {group[0].get('uid')!r} "
-                    f"carries no {TASK_KEY!r} (or the pool has no data loader) to re-queue"
-                )
-            execute(self._dataloader.add_item_front, task)
-            execute(self._weight_sync_controller.release_rollout, self.model_tag, "")
-            if self._activity_tracker is not None:
-                self._activity_tracker.increment("staleness/dropped")
-        if stale:
-            logger.info("trajectory pool [%s]: dropped %d stale groups", self.model_tag, len(stale))
-
-    # ---- gate and state -----------------------------------------------------------
-    def notify_weight_sync_starting(self) -> None:
-        with self._lock:
-            self._locked = True
-
-    def unlock_for_weight_sync(self) -> None:
-        with self._lock:
-            self._locked = False
-
-    def is_locked(self) -> bool:
-        with self._lock:
-            return self._locked
-
+    # ---- state -----------------------------------------------------------------
     def num_ready(self) -> int:
         with self._lock:
             return self._store.num_ready()
@@ -254,90 +173,65 @@ class TrajectoryPoolInstance:
     def clear(self) -> None:
         with self._lock:
             self._store.clear()
-            self._notified = 0
 
 
 class TrajectoryPool(NexRLModule):
-    """Per-model-tag trajectory pools behind one module.
+    """Per-model-tag trajectory pools behind one module (config: `trajectory_pool.*`)."""
 
-    Config keys (defaults): `batch_size` (required: trajectories per batch, e.g.
-    16 prompts x 8 samples = 128), `group_size` (1), `key_list` (["uid"]; [] = no
-    grouping), `check_batch_ready_function` ("batch_size" | "loaded_batch_finished").
-    """
-
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: TrajectoryPoolConfig) -> None:
         super().__init__()
-        if config.get("batch_size", None) is None:
-            raise ValueError("trajectory_pool.batch_size is required")
-        self._batch_size = int(config["batch_size"])
-        self._group_size = int(config.get("group_size", None) or 1)
-        key_list = config.get("key_list", None)
-        self._key_list = ["uid"] if key_list is None else [str(k) for k in key_list]
-        rule = str(config.get("check_batch_ready_function", None) or "batch_size")
-        if rule not in CHECK_BATCH_READY_FUNCTIONS:
+        if config.check_batch_ready_function not in CHECK_BATCH_READY_FUNCTIONS:
             raise ValueError(
-                f"trajectory_pool.check_batch_ready_function: unknown {rule!r}; "
-                f"valid choices: {', '.join(CHECK_BATCH_READY_FUNCTIONS)}"
+                "trajectory_pool.check_batch_ready_function: unknown "
+                f"{config.check_batch_ready_function!r}; valid choices: "
+                f"{', '.join(CHECK_BATCH_READY_FUNCTIONS)}"
             )
-        self._rule = rule
-        if self._batch_size < 1 or (self._key_list and self._batch_size % self._group_size):
+        group = config.group_size if config.key_list else 1
+        if config.batch_size < 1 or config.group_size < 1 or config.batch_size % group:
             raise ValueError(
-                f"trajectory_pool.batch_size ({self._batch_size}) must be a positive multiple "
-                f"of trajectory_pool.group_size ({self._group_size})"
+                f"trajectory_pool.batch_size ({config.batch_size}) must be a positive multiple "
+                f"of trajectory_pool.group_size ({config.group_size})"
             )
+        self._config = config
+        self._refs = PoolRefs()
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
         self._arrivals = 0  # accepted puts so far; a waiting get_batch wakes on a change
         self._arrived = threading.Condition()
-        self._lock_all = False  # a tag-less weight-sync lock also gates tags not seen yet
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
 
     # ---- wiring -------------------------------------------------------------
-    def set_module_references(self, dataloader: Any, weight_sync_controller: Any) -> None:
-        self._dataloader = dataloader
-        self._weight_sync_controller = weight_sync_controller
-        for inst in self._all():
-            inst.set_module_references(dataloader, weight_sync_controller, self._activity_tracker)
+    def set_module_references(
+        self, dataloader: DataLoaderLike | None, weight_sync_controller: WeightSyncLike | None
+    ) -> None:
+        self._refs.dataloader = dataloader
+        self._refs.wsc = weight_sync_controller
 
-    def set_activity_tracker(self, tracker: Any) -> None:
+    def set_activity_tracker(self, tracker: TrackerLike) -> None:
         super().set_activity_tracker(tracker)
-        self.set_module_references(self._dataloader, self._weight_sync_controller)
+        self._refs.tracker = tracker
 
     def _instance(self, model_tag: ModelTag) -> TrajectoryPoolInstance:
         with self._lock:
-            inst = self._instances.get(model_tag)
-            if inst is None:
-                inst = TrajectoryPoolInstance(
-                    model_tag, self._batch_size, self._group_size, self._key_list, self._rule
+            if model_tag not in self._instances:
+                self._instances[model_tag] = TrajectoryPoolInstance(
+                    model_tag, self._config, self._refs
                 )
-                inst.set_module_references(
-                    self._dataloader, self._weight_sync_controller, self._activity_tracker
-                )
-                if self._lock_all:
-                    inst.notify_weight_sync_starting()
-                self._instances[model_tag] = inst
-            return inst
-
-    def _all(self) -> list[TrajectoryPoolInstance]:
-        with self._lock:
-            return list(self._instances.values())
+            return self._instances[model_tag]
 
     def _selected(self, model_tag: ModelTag | None) -> list[TrajectoryPoolInstance]:
-        if model_tag is None:
-            return self._all()
         with self._lock:
+            if model_tag is None:
+                return list(self._instances.values())
             inst = self._instances.get(model_tag)
         return [] if inst is None else [inst]
 
     # ---- puts ---------------------------------------------------------------
     def put_trajectory(self, trajectory: Trajectory) -> str:
-        """ "success", "fail" (rejected, reported) or "re-rollout" (weight sync in progress)."""
-        tag = trajectory.get("model_tag") or DEFAULT_MODEL_TAG
-        return self._arrival(self._instance(tag).put_trajectory(trajectory))
+        """ "success" or "fail" (rejected and reported)."""
+        return self.put_trajectory_group([trajectory])
 
     def put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
-        """Put a whole group atomically (all accepted or none); same results as `put_trajectory`."""
+        """Put a whole group atomically (all accepted or none)."""
         if not trajectories:
             return "success"
         tags = {t.get("model_tag") or DEFAULT_MODEL_TAG for t in trajectories}
@@ -345,11 +239,8 @@ class TrajectoryPool(NexRLModule):
             reason = f"one group has several model tags {sorted(tags)}"
             self._instance(sorted(tags)[0]).report_rejected(reason, len(trajectories))
             return "fail"
-        return self._arrival(self._instance(tags.pop()).put_trajectory_group(trajectories))
-
-    def _arrival(self, result: str) -> str:
-        """Wake waiting `get_batch` calls after an accepted put; passes `result` through."""
-        if result == "success":
+        result = self._instance(tags.pop()).put_trajectory_group(trajectories)
+        if result == "success":  # wake waiting `get_batch` calls
             with self._arrived:
                 self._arrivals += 1
                 self._arrived.notify_all()
@@ -374,17 +265,14 @@ class TrajectoryPool(NexRLModule):
         return self._get_batch_now(batch_size, model_tag)
 
     def _get_batch_now(self, batch_size: int | None, model_tag: ModelTag | None) -> Batch | None:
-        if model_tag is None:
-            return self.get_batch_any(batch_size)
-        insts = self._selected(model_tag)
-        return insts[0].get_batch(batch_size) if insts else None
-
-    def get_batch_any(self, batch_size: int | None = None) -> Batch | None:
-        for inst in self._all():
+        for inst in self._selected(model_tag):
             batch = inst.get_batch(batch_size)
             if batch is not None:
                 return batch
         return None
+
+    def get_batch_any(self, batch_size: int | None = None) -> Batch | None:
+        return self._get_batch_now(batch_size, None)
 
     def is_batch_ready(self, model_tag: ModelTag | None = None) -> bool:
         """Whether a batch (or, under "loaded_batch_finished", the tail) can be taken."""
@@ -409,23 +297,3 @@ class TrajectoryPool(NexRLModule):
     def clear(self, model_tag: ModelTag | None = None) -> None:
         for inst in self._selected(model_tag):
             inst.clear()
-
-    # ---- weight-sync gate ----------------------------------------------------
-    def notify_weight_sync_starting(self, model_tag: ModelTag | None = None) -> None:
-        """Close the gate: puts return "re-rollout" until `unlock_for_weight_sync`."""
-        if model_tag is None:
-            with self._lock:
-                self._lock_all = True
-            for inst in self._all():
-                inst.notify_weight_sync_starting()
-        else:
-            self._instance(model_tag).notify_weight_sync_starting()
-
-    def unlock_for_weight_sync(self, model_tag: ModelTag | None = None) -> None:
-        if model_tag is None:
-            with self._lock:
-                self._lock_all = False
-            for inst in self._all():
-                inst.unlock_for_weight_sync()
-        else:
-            self._instance(model_tag).unlock_for_weight_sync()

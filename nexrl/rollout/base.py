@@ -1,97 +1,120 @@
 """Rollout workers: take a task, produce trajectories, hand them on.
 
-`BaseRolloutWorker` owns the loop and the bookkeeping; subclasses implement
-`step(task)` only. The loop's contract with `step`:
+`BaseRolloutWorker` owns the loop; subclasses implement `step(task)` only,
+where `task` is the loader's row (a dict) and the answer a `StepResult` (or
+its string, or None for "failed before a trajectory existed", as in seed 000).
+The loop never routes a task itself: it gets tasks from the weight-sync
+controller (`acquire_task`, which applies admission) and gives every task back
+with the step's result (`complete_task`), which re-queues, retries, counts or
+defers it (nexrl/rollout/admission.py). An exception inside `step` is reported
+through the activity tracker and counts as FAIL, so no task is silently lost.
 
-    "success"     the trajectories were accepted by the pool (or validator)
-    "re-rollout"  the pool refused them (a weight sync began): the task goes
-                  back to the front of its loader and is generated again
-    "fail" / None the task could not be turned into trajectories; it is put
-                  back up to `max_task_retries` times, then counted as failed
-    "aborted"     a weight push aborted the generation (fully-async without
-                  partial rollout): the task goes back to the FRONT of its
-                  loader (aborted samples are served before new data)
-    "deferred"    the task was aborted too often and now waits in the weight
-                  sync controller's tail-batch candidate pool
-    "dropped"     the group was dropped on purpose (DAPO dynamic sampling)
-
-Admission (docs/async.md): before a training task is taken, the worker asks
-the weight sync controller for a slot (`acquire_rollout`); a group that will
-never reach the pool gives it back (`release_rollout`) with the reason. Each
-task taken fresh from the loader counts once in `tasks_in/train`; the ledger
-tasks_in = tasks_trained + dropped + failed + still queued holds at any time.
-
-An exception inside `step` (an engine error, a reward function that raises)
-is reported through the activity tracker's ErrorReporter and treated as
-"fail", so no task is ever silently lost: every task is trained, still
-queued, or counted in the `tasks_failed` counter.
+Trajectories are completed before they are handed on (`_put_trajectory*`):
+`uid`, `task_id` and `model_tag` come from the current task and client; a
+trajectory written as in the seed's custom-worker example (prompt and response
+text only) gets its token ids, logprobs and versions from the client result
+whose response it carries, and its reward from `reward_fn` when it has none.
+A trajectory still missing a required key raises an error that names it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from nexrl.distributed import execute
+from omegaconf import DictConfig
+
+from nexrl.config.schema import RolloutWorkerConfig
+from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
-from nexrl.types import DEFAULT_MODEL_TAG, Trajectory
+from nexrl.protocols import (
+    DataLoaderLike,
+    TrajectoryPoolLike,
+    ValidatorLike,
+    WeightSyncLike,
+)
+from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
 logger = logging.getLogger(__name__)
 
-VALIDATE_FLAG = "_nexrl_validate"
-RETRIES_KEY = "_nexrl_retries"
-SEEN_KEY = "_nexrl_seen"  # set once a task has been counted in tasks_in
-TASK_KEY = "_nexrl_task"  # the task a training trajectory came from (see pools)
-_RELEASE_REASONS = {
-    "re-rollout": "re-rollout",
-    "aborted": "abort",
-    "deferred": "tail_candidate",
-    "dropped": "dynamic_sampling",
-}
+RewardFn = Callable[..., float]
+_TOKEN_KEYS = ("prompt_ids", "response_ids", "response_logprobs", "finish_reason")
+_VERSION_KEYS = ("model_version", "token_versions")
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What a rollout worker needs from config sections other than `rollout_worker`."""
+
+    prompt_key: str
+    validate_temperature: float
+    enable_partial_rollout: bool
+    tail_batch_candidate_steps: int
+    dynamic_sampling: bool
+    system_prompt: str | None
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> RolloutContext:
+        return cls(
+            prompt_key=cfg.data.prompt_key,
+            validate_temperature=cfg.validate.temperature,
+            enable_partial_rollout=cfg.weight.enable_partial_rollout,
+            tail_batch_candidate_steps=cfg.weight.tail_batch_candidate_steps,
+            dynamic_sampling=cfg.algorithm.dynamic_sampling,
+            system_prompt=cfg.data.system_prompt,
+        )
 
 
 class BaseRolloutWorker(LoopModule):
-    """Pulls tasks from a loader, calls `step`, routes the outcome."""
+    """Pulls tasks from the task owner, calls `step`, gives each task back with its result."""
 
-    def __init__(self, config: Mapping[str, Any], llm_client: Any) -> None:
+    def __init__(
+        self,
+        config: RolloutWorkerConfig,
+        llm_client: Any,
+        context: RolloutContext,
+        reward_fn: RewardFn | None = None,
+    ) -> None:
         super().__init__()
         self._config = config
+        self._context = context
         self._llm_client = llm_client
-        self._max_task_retries = int(config.get("max_task_retries", 2))
+        self._reward_fn = reward_fn
         self._is_running_validate = False
-        self._task_is_validate = False  # mode of the task being processed now
-        self._current_task: dict[str, Any] = {}
-        self._trajectory_pool: Any = None
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
-        self._validate_dataloader: Any = None
-        self._validator: Any = None
+        self.current_task: Task | None = None
+        self._trajectory_pool: TrajectoryPoolLike | None = None
+        self._dataloader: DataLoaderLike | None = None
+        self._weight_sync_controller: WeightSyncLike | None = None
+        self._validate_dataloader: DataLoaderLike | None = None
+        self._validator: ValidatorLike | None = None
         self._loop = LoopThread(f"rollout-{id(self):x}", self._loop_once)
 
     def set_module_references(
         self,
-        trajectory_pool: Any,
-        dataloader: Any,
-        weight_sync_controller: Any,
-        validate_dataloader: Any = None,
-        validator: Any = None,
+        trajectory_pool: TrajectoryPoolLike,
+        dataloader: DataLoaderLike,
+        weight_sync_controller: WeightSyncLike,
+        validate_dataloader: DataLoaderLike | None = None,
+        validator: ValidatorLike | None = None,
     ) -> None:
         self._trajectory_pool = trajectory_pool
         self._dataloader = dataloader
         self._weight_sync_controller = weight_sync_controller
         self._validate_dataloader = validate_dataloader
         self._validator = validator
-        if weight_sync_controller is not None:
-            self._llm_client.set_weight_sync_controller(weight_sync_controller)
+        self._llm_client.set_weight_sync_controller(weight_sync_controller)
 
     # -- lifecycle ---------------------------------------------------------
     def run(self) -> None:
-        if self._trajectory_pool is None or self._activity_tracker is None:
+        if self._weight_sync_controller is None or self._activity_tracker is None:
             raise RuntimeError(f"{self._module_name}: set module references and tracker first")
         super().run()
 
     def begin_validate(self) -> None:
+        """Seed 000: the controller announces validation (tasks come from the validation
+        loader until `end_validate`; the task owner decides which loader serves)."""
         self._is_running_validate = True
 
     def end_validate(self) -> None:
@@ -99,102 +122,43 @@ class BaseRolloutWorker(LoopModule):
 
     # -- the loop ------------------------------------------------------------
     def _loop_once(self) -> bool:
-        validate = self._is_running_validate
-        tag = self._model_tag()
-        if not validate and not self._acquire(tag):
-            return False
-        task = self._get_rollout_task(validate)
+        task = self._get_rollout_task()
         if task is None:
-            if not validate:
-                self._release(tag, "")
-                self._flush_tail(tag)
             return False
-        self._task_is_validate = validate
-        self._current_task = task
-        with self._activity_tracker.track(self._module_name, "rollout", auto_report_errors=False):
+        self.current_task = task
+        tracker = self._activity_tracker
+        with tracker.track(self._module_name, "rollout", auto_report_errors=False):
             try:
-                result = self.step(task)
-            except Exception as exc:  # reported, then the task is retried or counted
-                self._activity_tracker.report_exception(self._module_name, "rollout step", exc)
-                result = "fail"
-            finally:
-                if not validate:
-                    self._finish_generation(tag)
-            if not validate and result != "success":
-                self._release(tag, _RELEASE_REASONS.get(str(result), "fail"))
-            self._route(task, result)
+                result = StepResult.of(self.step(task.data))
+            except Exception as exc:  # reported, then the task owner retries or counts it
+                tracker.report_exception(self._module_name, "rollout step", exc)
+                result = StepResult.FAIL
+            execute(self._weight_sync_controller.complete_task, self._model_tag(), task, result)
         return True
 
-    def _route(self, task: dict[str, Any], result: str | None) -> None:
-        if result in ("success", "deferred", "dropped"):
-            return
-        if result in ("re-rollout", "aborted"):
-            self._put_rollout_task(task)
-            return
-        retries = int(task.get(RETRIES_KEY, 0))
-        if retries < self._max_task_retries:
-            self._put_rollout_task({**task, RETRIES_KEY: retries + 1})
-        else:
-            kind = "validate" if task.get(VALIDATE_FLAG) else "train"
-            self._activity_tracker.increment(f"tasks_failed/{kind}")
-            logger.warning(
-                "%s: task %s failed %d times; counted as failed",
-                self._module_name,
-                task.get("uid"),
-                retries + 1,
-            )
+    def step(self, task: dict[str, Any]) -> StepResult | str | None:
+        """Turn one task row into trajectories and hand them on (see module docstring)."""
+        raise NotImplementedError
 
-    # -- admission (weight sync controller) -------------------------------------------
     def _model_tag(self) -> str:
         return getattr(self._llm_client, "model_tag", DEFAULT_MODEL_TAG)
-
-    def _acquire(self, tag: str) -> bool:
-        wsc = self._weight_sync_controller
-        return wsc is None or bool(execute(wsc.acquire_rollout, tag, BLOCKING_GET_WAIT_S))
-
-    def _release(self, tag: str, reason: str) -> None:
-        if self._weight_sync_controller is not None:
-            execute(self._weight_sync_controller.release_rollout, tag, reason)
-
-    def _finish_generation(self, tag: str) -> None:
-        if self._weight_sync_controller is not None:
-            execute(self._weight_sync_controller.finish_generation, tag)
-
-    def _flush_tail(self, tag: str) -> None:
-        """The loader ran dry: tail-batch candidates are served now instead of waiting."""
-        if self._weight_sync_controller is not None:
-            execute(self._weight_sync_controller.flush_tail_candidates, tag)
-
-    # -- data flow -------------------------------------------------------------
-    def step(self, task: dict[str, Any]) -> str | None:
-        """Turn one task into trajectories and hand them on (see module docstring)."""
-        raise NotImplementedError
 
     @property
     def is_validating_task(self) -> bool:
         """True while `step` runs on a validation task."""
-        return self._task_is_validate
+        return self.current_task is not None and self.current_task.is_validate
 
-    def _source(self, validate: bool) -> Any:
-        return self._validate_dataloader if validate else self._dataloader
+    # -- data flow (seed 000 names) ------------------------------------------------
+    def _get_rollout_task(self) -> Task | None:
+        wsc = self._weight_sync_controller
+        return execute(wsc.acquire_task, self._model_tag(), BLOCKING_GET_WAIT_S)
 
-    def _get_rollout_task(self, validate: bool | None = None) -> dict[str, Any] | None:
-        validate = self._is_running_validate if validate is None else validate
-        loader = self._source(validate)
-        if loader is None:
-            return None
-        task = execute(loader.get_next_item)
-        if task is None:
-            return None
-        if not validate and not task.get(SEEN_KEY):
-            self._activity_tracker.increment("tasks_in/train")
-            task = {**task, SEEN_KEY: True}
-        return {**task, VALIDATE_FLAG: validate}
-
-    def _put_rollout_task(self, task: dict[str, Any]) -> bool:
-        loader = self._source(bool(task.get(VALIDATE_FLAG)))
-        clean = {k: v for k, v in task.items() if k != VALIDATE_FLAG}
-        execute(loader.add_item_front, clean)
+    def _put_rollout_task(self, task: dict[str, Any] | Task) -> bool:
+        """Give a task back to the front of its loader (through the task owner)."""
+        if not isinstance(task, Task):
+            validate = self.is_validating_task
+            task = Task(data=dict(task), is_validate=validate)
+        execute(self._weight_sync_controller.requeue_task, task)
         return True
 
     def _put_trajectory(self, trajectory: Trajectory) -> str:
@@ -202,10 +166,41 @@ class BaseRolloutWorker(LoopModule):
 
     def _put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
         """Hand a whole group on atomically; validation tasks go to the validator."""
-        if self._task_is_validate:
-            for t in trajectories:
+        group = [self._complete_trajectory(t) for t in trajectories]
+        if self.is_validating_task:
+            for t in group:
                 execute(self._validator.put_trajectory, t)
-            return "success"
-        task = {k: v for k, v in self._current_task.items() if k != VALIDATE_FLAG}
-        group = [{**t, TASK_KEY: task} for t in trajectories]
+            return StepResult.SUCCESS.value
+        for t in group:
+            check_trajectory(t)
         return execute(self._trajectory_pool.put_trajectory_group, group)
+
+    def _complete_trajectory(self, trajectory: Trajectory) -> Trajectory:
+        task = self.current_task
+        traj = dict(trajectory)
+        if task is not None:
+            traj.setdefault("uid", task.uid)
+            traj["task_id"] = task.task_id
+        traj.setdefault("model_tag", self._model_tag())
+        if any(traj.get(k) is None for k in _TOKEN_KEYS):
+            self._fill_from_client(traj)
+        if traj.get("reward") is None and self._reward_fn is not None and task is not None:
+            traj["reward"] = self.score(task.data, traj)
+        return traj
+
+    def _fill_from_client(self, traj: Trajectory) -> None:
+        """Token ids, logprobs and versions of the client sample whose text `traj` carries."""
+        recent = getattr(self._llm_client, "recent_samples", None)
+        for sample in reversed(recent() if recent is not None else []):
+            if sample.get("response") == traj.get("response"):
+                for key in (*_TOKEN_KEYS, *_VERSION_KEYS):
+                    if traj.get(key) is None:
+                        traj[key] = sample.get(key)
+                traj.setdefault("loss_mask", [1] * len(traj["response_ids"]))
+                return
+
+    def score(self, row: dict[str, Any], sample: dict[str, Any]) -> float:
+        """The reward of one sample: `reward_fn(prompt, completion, **row)`."""
+        data = {k: v for k, v in row.items() if k != "prompt"}
+        prompt = row.get(self._context.prompt_key)
+        return float(self._reward_fn(prompt, sample["response"], **data))

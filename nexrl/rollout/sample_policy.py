@@ -29,16 +29,11 @@ keeps the drops rare.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from nexrl.config.schema import WeightConfig
 
 SYNC_MODES = ("sync", "batch-async", "fully-async")
-
-
-def _get(config: Mapping[str, Any], key: str, default: Any) -> Any:
-    value = config.get(key, default)
-    return default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -56,21 +51,22 @@ class SamplePolicy:
     groups_per_batch: int | None = None  # None: admission off (unit tests of the sync gate)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> SamplePolicy:
-        mode = str(config.get("sync_mode", "sync"))
+    def from_config(cls, config: WeightConfig, groups_per_batch: int | None) -> SamplePolicy:
+        """The policy of the `weight.*` section; `groups_per_batch` is the pool's
+        `batch_size // group_size` (None: admission off, for unit tests only)."""
+        mode = config.sync_mode
         if mode not in SYNC_MODES:
             raise ValueError(f"weight.sync_mode={mode!r}; valid choices: {', '.join(SYNC_MODES)}")
-        gpb = config.get("groups_per_batch")
         policy = cls(
             sync_mode=mode,
-            staleness_threshold=0 if mode == "sync" else int(config.get("staleness_threshold", 0)),
-            over_sample_threshold=float(_get(config, "over_sample_threshold", 0.0)),
-            enable_partial_rollout=bool(config.get("enable_partial_rollout", False)),
-            inflight_weight_update=bool(config.get("inflight_weight_update", False)),
-            tail_batch_candidate_steps=int(_get(config, "tail_batch_candidate_steps", 0)),
-            tail_batch_trigger_size=int(_get(config, "tail_batch_trigger_size", 0)),
-            sync_every=1 if mode == "sync" else int(_get(config, "sync_every", 1)),
-            groups_per_batch=None if gpb is None else int(gpb),
+            staleness_threshold=0 if mode == "sync" else config.staleness_threshold,
+            over_sample_threshold=config.over_sample_threshold,
+            enable_partial_rollout=config.enable_partial_rollout,
+            inflight_weight_update=config.inflight_weight_update,
+            tail_batch_candidate_steps=config.tail_batch_candidate_steps,
+            tail_batch_trigger_size=config.tail_batch_trigger_size,
+            sync_every=1 if mode == "sync" else config.sync_every,
+            groups_per_batch=groups_per_batch,
         )
         policy.check()
         return policy

@@ -1,29 +1,50 @@
 """The built-in rollout workers.
 
-`SimpleRolloutWorker` generates and forwards (no reward: for pipelines that
-score later). `SingleTurnRolloutWorker` generates a group of `group_size`
-samples for one prompt, scores each with a plain reward function
+`SingleTurnRolloutWorker` generates a group of `group_size` samples for one
+prompt, scores each with a plain reward function
 `reward(prompt, completion, **row) -> float`, and hands the group on as one
-unit so that a weight sync can never split it.
+unit. `SimpleRolloutWorker` is the same without a reward (for pipelines that
+score later). Both are a `BaseRolloutWorker` plus a `GroupSampler`
+(composition): the sampler owns generation, aborts and partial rollout.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
-from nexrl.distributed import execute
-from nexrl.rollout.base import BaseRolloutWorker
+from nexrl.config.schema import RolloutWorkerConfig
+from nexrl.execute import execute
+from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
 from nexrl.rollout.partial import aborted, continue_aborted, split_choices
-from nexrl.types import Trajectory
-from nexrl.weight_sync import TAIL_KEY
+from nexrl.types import StepResult, Task, Trajectory
 
-ABORTS_KEY = "_nexrl_aborts"  # times this task's generation was aborted by a weight push
-PARTIAL_KEY = "_nexrl_partial"  # samples kept from an aborted generation (partial rollout)
-
-TASK_META_SKIP = ("prompt",)
 _PUSH_POLL_S = 0.001
+Prompt = str | list[dict[str, Any]]
+
+
+def chat_prompt(row: dict[str, Any], prompt_key: str, system_prompt: str | None) -> Prompt:
+    """The row's prompt: text, or chat messages (a list of {role, content}); with a
+    `system_prompt`, a text prompt becomes [system, user] and a chat gains the system
+    message unless it has one."""
+    prompt = row.get(prompt_key)
+    where = f"task {row.get('uid')!r}: column {prompt_key!r} (data.prompt_key)"
+    if isinstance(prompt, str):
+        if system_prompt is None:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where} is {type(prompt).__name__}, expected text or chat messages")
+    for i, msg in enumerate(prompt):
+        if (
+            not isinstance(msg, dict)
+            or not isinstance(msg.get("role"), str)
+            or "content" not in msg
+        ):
+            raise ValueError(f"{where}: message {i} needs a string 'role' and a 'content'")
+    if system_prompt is not None and prompt[0]["role"] != "system":
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    return list(prompt)
 
 
 def make_trajectory(
@@ -48,116 +69,118 @@ def make_trajectory(
     }
 
 
-class SimpleRolloutWorker(BaseRolloutWorker):
-    """Generate once per task; no reward."""
+class GroupSampler:
+    """Samples one group for a task; aborted samples are continued, re-queued or deferred
+    (xtuner's partial rollout and tail batch; docs/async.md)."""
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
-        cfg = self._config
-        if self.is_validating_task:
-            return {
-                "n": 1,
-                "max_tokens": int(cfg.get("max_tokens", 64)),
-                "temperature": float(cfg.get("validate_temperature", 0.0)),
-            }
+    def __init__(self, worker: BaseRolloutWorker) -> None:
+        self._worker = worker
+
+    def sampling_kwargs(self, validate: bool) -> dict[str, Any]:
+        cfg, ctx = self._worker._config, self._worker._context
+        if validate:
+            return {"n": 1, "max_tokens": cfg.max_tokens, "temperature": ctx.validate_temperature}
         return {
-            "n": int(cfg.get("group_size", 1)),
-            "max_tokens": int(cfg.get("max_tokens", 64)),
-            "temperature": float(cfg.get("temperature", 1.0)),
-            "top_p": float(cfg.get("top_p", 1.0)),
-            "top_k": int(cfg.get("top_k", -1)),
+            "n": cfg.group_size,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
         }
 
-    def _prompt(self, task: dict[str, Any]) -> str | None:
-        prompt = task.get(self._config.get("prompt_key", "prompt"))
-        return prompt if isinstance(prompt, str) else None
+    def first_request(self, prompt: Prompt, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Text prompts go as text; chat prompts are rendered with the tokenizer's chat
+        template once, here, and sent as token ids (nothing is re-tokenized later)."""
+        client = self._worker._llm_client
+        if isinstance(prompt, str):
+            return client.completion(prompt, **kwargs)
+        ids = client.tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True
+        )
+        return {**client.completion(prompt_ids=list(ids), **kwargs), "prompt": prompt}
 
-    def score(self, task: dict[str, Any], result: dict[str, Any]) -> float | None:
-        return None
-
-    def step(self, task: dict[str, Any]) -> str | None:
-        prompt = self._prompt(task)
-        if prompt is None:
-            return None
-        choices = self._generate(task, prompt)
-        if isinstance(choices, str):  # "aborted" or "deferred"
-            return choices
-        tag = self._model_tag()
-        aborts = int(task.get(ABORTS_KEY, 0))
-        group = [make_trajectory(task, c, self.score(task, c), tag) for c in choices]
-        for traj, c in zip(group, choices, strict=True):
-            traj["rollout_aborts"] = aborts
-            traj["continuations"] = int(c.get("continuations", 0))
-        if self._drop_uninformative(group):
-            return "dropped"
-        return self._put_trajectory_group(group)
-
-    def _generate(self, task: dict[str, Any], prompt: str) -> list[dict[str, Any]] | str:
-        """The group's samples; aborted ones are continued, re-queued or deferred (xtuner)."""
-        kwargs = self._sampling_kwargs()
-        saved = task.get(PARTIAL_KEY)
-        if saved is None:
-            choices = split_choices(self._llm_client.completion(prompt, **kwargs))
-        else:
+    def sample(self, task: Task, prompt: Prompt) -> list[dict[str, Any]] | StepResult:
+        """The group's samples, or ABORTED / DEFERRED with `task` updated for its next try."""
+        worker, ctx = self._worker, self._worker._context
+        client, tracker = worker._llm_client, worker._activity_tracker
+        kwargs = self.sampling_kwargs(task.is_validate)
+        saved, task.partial = task.partial, None
+        if saved:
             choices = [dict(c) for c in saved]
-        aborts = int(task.get(ABORTS_KEY, 0))
+        else:
+            choices = split_choices(self.first_request(prompt, kwargs))
         while aborted(choices):
-            if saved is None:  # a restored partial was counted when it was aborted
-                aborts += 1
-                self._activity_tracker.increment("rollout/aborted_groups")
+            if not saved:  # a restored partial was counted when it was aborted
+                task.aborts += 1
+                tracker.increment("rollout/aborted_groups")
             saved = None
-            protected = self.is_validating_task or bool(task.get(TAIL_KEY))
-            keep = protected or self._config.get("enable_partial_rollout", False)
-            limit = int(self._config.get("tail_batch_candidate_steps", 0) or 0)
-            if not protected and limit and aborts > limit:
-                self._defer_to_tail(task, aborts, choices if keep else None)
-                return "deferred"
+            protected = task.is_validate or task.tail
+            keep = protected or ctx.enable_partial_rollout
+            limit = ctx.tail_batch_candidate_steps
+            if not protected and limit and task.aborts > limit:
+                task.partial = choices if keep else None
+                return StepResult.DEFERRED
             if not keep:
-                task[ABORTS_KEY] = aborts
-                task.pop(PARTIAL_KEY, None)
-                return "aborted"
+                return StepResult.ABORTED
             n = len(aborted(choices))
             self._wait_for_push()
-            choices = continue_aborted(self._llm_client, choices, kwargs)
-            self._activity_tracker.increment("rollout/partial_continuations", n)
-        task[ABORTS_KEY] = aborts
-        task.pop(PARTIAL_KEY, None)  # a re-queue after a stale drop starts afresh
+            choices = continue_aborted(client, choices, kwargs)
+            tracker.increment("rollout/partial_continuations", n)
         return choices
 
     def _wait_for_push(self) -> None:
         """Continue as soon as the new weights serve: the engine idles until then, so
         this polls faster than the client's generic weight-sync wait."""
-        if self._weight_sync_controller is None:
-            return
-        check, tag = self._weight_sync_controller.check_rollout_service_status, self._model_tag()
-        while execute(check, tag) == "block":
+        wsc, tag = self._worker._weight_sync_controller, self._worker._model_tag()
+        while execute(wsc.check_rollout_service_status, tag) == "block":
             time.sleep(_PUSH_POLL_S)
 
-    def _defer_to_tail(
-        self, task: dict[str, Any], aborts: int, partial: list[dict[str, Any]] | None
+
+class SingleTurnRolloutWorker(BaseRolloutWorker):
+    """Generate a group, score each sample with `reward_fn` (None: no reward, the
+    `simple` worker), drop uninformative groups under DAPO dynamic sampling."""
+
+    def __init__(
+        self,
+        config: RolloutWorkerConfig,
+        llm_client: Any,
+        context: RolloutContext,
+        reward_fn: RewardFn | None = None,
     ) -> None:
-        clean = {k: v for k, v in task.items() if not k.startswith("_nexrl_validate")}
-        clean = {**clean, ABORTS_KEY: aborts, PARTIAL_KEY: partial}
-        if partial is None:
-            clean.pop(PARTIAL_KEY)
-        execute(self._weight_sync_controller.add_tail_candidate, self._model_tag(), clean)
+        super().__init__(config, llm_client, context, reward_fn)
+        self.sampler = GroupSampler(self)
+
+    def _prompt(self, row: dict[str, Any]) -> Prompt:
+        return chat_prompt(row, self._context.prompt_key, self._context.system_prompt)
+
+    def step(self, task: dict[str, Any]) -> StepResult | str:
+        current = self.current_task
+        choices = self.sampler.sample(current, self._prompt(task))
+        if isinstance(choices, StepResult):
+            return choices
+        tag = self._model_tag()
+        group = []
+        for c in choices:
+            reward = self.score(task, c) if self._reward_fn is not None else None
+            traj = make_trajectory(task, c, reward, tag)
+            traj["rollout_aborts"] = current.aborts
+            traj["continuations"] = int(c.get("continuations", 0))
+            group.append(traj)
+        if self._drop_uninformative(group):
+            return StepResult.DROPPED
+        return self._put_trajectory_group(group)
 
     def _drop_uninformative(self, group: list[Trajectory]) -> bool:
         """DAPO dynamic sampling: a training group with one reward value teaches nothing."""
-        if self.is_validating_task or not self._config.get("dynamic_sampling", False):
+        if self.is_validating_task or not self._context.dynamic_sampling:
             return False
-        if len({t["reward"] for t in group}) > 1:
-            return False
-        self._activity_tracker.increment("groups_dropped/dynamic_sampling")
-        return True
+        return len({t["reward"] for t in group}) == 1
 
 
-class SingleTurnRolloutWorker(SimpleRolloutWorker):
-    """Generate a group, score each sample with `reward_fn`."""
+class SimpleRolloutWorker(SingleTurnRolloutWorker):
+    """Generate a group per task; no reward (a later stage scores it)."""
 
-    def __init__(self, config: Mapping[str, Any], llm_client: Any, reward_fn: Any) -> None:
-        super().__init__(config, llm_client)
-        self._reward_fn = reward_fn
-
-    def score(self, task: dict[str, Any], result: dict[str, Any]) -> float:
-        row = {k: v for k, v in task.items() if k not in TASK_META_SKIP and not k.startswith("_")}
-        return float(self._reward_fn(self._prompt(task), result["response"], **row))
+    def __init__(
+        self, config: RolloutWorkerConfig, llm_client: Any, context: RolloutContext
+    ) -> None:
+        super().__init__(config, llm_client, context, reward_fn=None)

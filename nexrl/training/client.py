@@ -20,12 +20,24 @@ import httpx
 import torch
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from nexrl.config.schema import TrainServiceConfig
 from nexrl.training import wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
 
 BACKENDS = ("builtin", "remote")
-CLIENT_KEYS = {"backend", "url", "api_key", "model_tag", "timeout", "max_retries", "identifier"}
+
+
+def as_service_config(config: TrainServiceConfig | Mapping[str, Any] | None) -> TrainServiceConfig:
+    """The typed `service.train_service` section; a dict must use its keys only."""
+    if isinstance(config, TrainServiceConfig):
+        return config
+    raw = {k: v for k, v in dict(config or {}).items() if v is not None}
+    valid = set(TrainServiceConfig.__dataclass_fields__)
+    unknown = sorted(set(raw) - valid)
+    if unknown:
+        raise ValueError(f"unknown train_service key(s) {unknown}; valid: {sorted(valid)}")
+    return TrainServiceConfig(**raw)
 
 
 class TrainServiceClient:
@@ -33,25 +45,20 @@ class TrainServiceClient:
 
     def __init__(
         self,
-        config: Mapping[str, Any],
+        config: TrainServiceConfig | Mapping[str, Any],
         engine_config: Mapping[str, Any] | EngineConfig,
         model_path: str,
     ) -> None:
-        cfg = dict(config or {})
-        unknown = sorted(set(cfg) - CLIENT_KEYS)
-        if unknown:
-            raise ValueError(
-                f"unknown train_service key(s) {unknown}; valid: {sorted(CLIENT_KEYS)}"
-            )
-        self.backend = cfg.get("backend") or "builtin"
+        cfg = as_service_config(config)
+        self.backend = cfg.backend
         if self.backend not in BACKENDS:
             raise ValueError(f"train_service.backend={self.backend!r}; choose one of {BACKENDS}")
-        if self.backend == "remote" and not cfg.get("url"):
+        if self.backend == "remote" and not cfg.url:
             raise ValueError("train_service.backend='remote' needs train_service.url")
         self.config = cfg
         self.engine_config = EngineConfig.from_mapping(engine_config)
         self.model_path = str(model_path)
-        self.model_tag = cfg.get("model_tag", "default")
+        self.model_tag = cfg.model_tag
         self._engine: Any = None
         self._http: _Http | None = None
 
@@ -126,14 +133,14 @@ class TrainServiceClient:
 class _Http:
     """httpx client with auth, timeout and tenacity retries."""
 
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        headers = {"authorization": f"Bearer {cfg['api_key']}"} if cfg.get("api_key") else {}
+    def __init__(self, cfg: TrainServiceConfig) -> None:
+        headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.client = httpx.Client(
-            base_url=str(cfg["url"]).rstrip("/"),
+            base_url=str(cfg.url).rstrip("/"),
             headers=headers,
-            timeout=float(cfg.get("timeout") or 600.0),
+            timeout=cfg.timeout,
         )
-        self.attempts = int(cfg.get("max_retries") if cfg.get("max_retries") is not None else 3) + 1
+        self.attempts = cfg.max_retries + 1
 
     def request(self, method: str, path: str, idempotent: bool, **kw: Any) -> httpx.Response:
         errors = httpx.TransportError if idempotent else httpx.ConnectError

@@ -15,12 +15,14 @@ import shutil
 import statistics
 import time
 from collections import Counter
-from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nexrl.distributed import execute
+from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
+from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
+from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
 
 logger = logging.getLogger(__name__)
@@ -56,40 +58,65 @@ def mini_batches(n: int, parts: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """The named loss and how each batch is cut into optimizer steps (from `algorithm.*`)."""
+
+    loss_fn: str
+    loss_kwargs: dict[str, Any]
+    num_mini_batches: int
+    ppo_epochs: int
+
+    @classmethod
+    def from_config(cls, algorithm: AlgorithmConfig, sync_mode: str) -> LossSpec:
+        """Async modes train on samples from older weights: token-level truncated IS
+        (cap 2) by default, unless the user chose an off-policy correction (docs/async.md)."""
+        kwargs = dict(algorithm.loss_kwargs or {})
+        chosen = any(k in kwargs for k in ("tis_level", "decoupled"))
+        if sync_mode != "sync" and not chosen:
+            kwargs.update(tis_level="token", tis_cap=2.0)
+        return cls(
+            loss_fn=algorithm.loss_fn,
+            loss_kwargs={"agg_mode": algorithm.loss_agg_mode, **kwargs},
+            num_mini_batches=algorithm.num_mini_batches,
+            ppo_epochs=algorithm.ppo_epochs,
+        )
+
+
 class TrainWorker(LoopModule):
     def __init__(
         self,
-        config: Mapping[str, Any],
+        config: TrainWorkerConfig,
         train_client: Any,
-        algorithm: Mapping[str, Any],
+        loss: LossSpec,
         checkpoint_path: str,
         sync_weight_path: str,
     ) -> None:
         super().__init__()
         self._config = config
         self._client = train_client
-        self._loss_fn = str(algorithm.get("loss_fn", "ppo_clip"))
-        self._loss_kwargs = {
-            "agg_mode": algorithm.get("loss_agg_mode", "token-mean"),
-            **dict(algorithm.get("loss_kwargs") or {}),
-        }
-        self._num_mini_batches = int(algorithm.get("num_mini_batches", 1))
-        self._ppo_epochs = int(algorithm.get("ppo_epochs", 1))
-        self._total_train_steps = int(config.get("total_train_steps", 0))
-        self._save_freq = int(config.get("save_freq", 0))
-        self._remove_previous = bool(config.get("remove_previous_ckpt", True))
+        self._loss_fn = loss.loss_fn
+        self._loss_kwargs = dict(loss.loss_kwargs)
+        self._num_mini_batches = loss.num_mini_batches
+        self._ppo_epochs = loss.ppo_epochs
+        self._total_train_steps = config.total_train_steps
+        self._save_freq = config.save_freq
+        self._remove_previous = config.remove_previous_ckpt
         self._checkpoint_path = Path(checkpoint_path)
         self._sync_weight_path = sync_weight_path
         self._model_tag = DEFAULT_MODEL_TAG
         self._step = 0
         self._last_step_end: float | None = None
-        self._train_batch_pool: Any = None
-        self._weight_sync_controller: Any = None
-        self._dataloader: Any = None
+        self._train_batch_pool: TrainBatchPoolLike | None = None
+        self._weight_sync_controller: WeightSyncLike | None = None
+        self._dataloader: DataLoaderLike | None = None
         self._loop = LoopThread("train-worker", self._loop_once)
 
     def set_module_references(
-        self, train_batch_pool: Any, weight_sync_controller: Any, dataloader: Any = None
+        self,
+        train_batch_pool: TrainBatchPoolLike,
+        weight_sync_controller: WeightSyncLike,
+        dataloader: DataLoaderLike | None = None,
     ) -> None:
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller

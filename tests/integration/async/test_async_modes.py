@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from nexrl.controller import NexRLController
-from nexrl.distributed import execute
+from nexrl.execute import execute
+from nexrl.types import Task
 from nexrl.training.parallel import free_port
 from tests.servers import spawn
 
@@ -37,7 +38,7 @@ def train_lines(run_dir):
 def queued_tasks(system) -> int:
     """Tasks still waiting somewhere: loader returns, pools, tail candidates."""
     loader = system.dataloader
-    returned = sum(1 for t in execute(loader.returned_items) if t.get("_nexrl_seen"))
+    returned = sum(1 for t in execute(loader.returned_items) if isinstance(t, Task))
     group = execute(system.trajectory_pool.num_ready) // 4
     batches = execute(system.train_batch_pool.qsize) * 2  # 8 / group_size 4 = 2 groups
     state = execute(system.weight_sync_controller.get_admission_state, "default")

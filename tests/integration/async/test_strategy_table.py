@@ -9,14 +9,12 @@ import time
 
 import pytest
 
-from nexrl.data import InMemoryDataLoader
+from nexrl.config.schema import RolloutWorkerConfig, WeightConfig
 from nexrl.inference.client import LLMServiceClient
 from nexrl.inference.engine import Engine
-from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
-from nexrl.pools import TrajectoryPool
 from nexrl.rewards import shift_letters
-from nexrl.rollout.workers import ABORTS_KEY, PARTIAL_KEY, SingleTurnRolloutWorker
-from nexrl.weight_sync import TAIL_KEY, WeightSyncController
+from nexrl.types import StepResult
+from tests.rollout_parts import build_rollout_side
 
 MAX_TOKENS = 24
 
@@ -29,31 +27,20 @@ def engine(tiny_model_path):
 
 
 def build(engine, path, k=1, f=0.0, partial=False, tail_steps=0, trigger=0, gpb=2):
-    tracker = ActivityTracker({})
-    proxy = ActivityTrackerProxy(tracker)
     client = LLMServiceClient({"backend": "builtin", "model": path}, engine=engine)
-    policy = {
-        "sync_mode": "fully-async",
-        "staleness_threshold": k,
-        "over_sample_threshold": f,
-        "enable_partial_rollout": partial,
-        "tail_batch_candidate_steps": tail_steps,
-        "tail_batch_trigger_size": trigger,
-        "groups_per_batch": gpb,
-    }
-    wsc = WeightSyncController(policy, client, path)
-    items = [{"prompt": f"{w}>", "answer": w} for w in ("abcd", "bcde", "cdef", "defg")]
-    loader = InMemoryDataLoader({}, items=items)
-    pool = TrajectoryPool({"batch_size": 2 * gpb, "group_size": 2, "key_list": ["uid"]})
-    cfg = {"group_size": 2, "max_tokens": MAX_TOKENS, **policy}
-    worker = SingleTurnRolloutWorker(cfg, client, shift_letters)
-    for name, m in (("wsc", wsc), ("pool", pool), ("loader", loader), ("rollout_0", worker)):
-        m.set_module_name(name)
-        m.set_activity_tracker(proxy)
-    pool.set_module_references(loader, wsc)
-    wsc.set_module_references(loader, pool)
-    worker.set_module_references(pool, loader, wsc)
-    return worker, wsc, pool, loader, tracker
+    weight = WeightConfig(
+        sync_mode="fully-async",
+        staleness_threshold=k,
+        over_sample_threshold=f,
+        enable_partial_rollout=partial,
+        tail_batch_candidate_steps=tail_steps,
+        tail_batch_trigger_size=trigger,
+    )
+    words = ("abcd", "bcde", "cdef", "defg", "efgh", "fghi", "ghij", "hijk")
+    items = [{"prompt": f"{w}>", "answer": w} for w in words]
+    worker = RolloutWorkerConfig(group_size=2, max_tokens=MAX_TOKENS, max_task_retries=0)
+    side = build_rollout_side(client, items, shift_letters, weight=weight, worker=worker, gpb=gpb)
+    return side.worker, side.wsc, side.pool, side.loader, side.tracker
 
 
 def loop_with_push(worker, wsc, engine):
@@ -72,21 +59,22 @@ def loop_with_push(worker, wsc, engine):
 def test_synchronous_strategy_sends_no_extra_data(engine, tiny_model_path):
     """staleness 0, no partial, no tail: exactly one batch worth of groups in flight."""
     _, wsc, *_ = build(engine, tiny_model_path, k=0, f=0.0)
-    assert [wsc.acquire_rollout("default") for _ in range(3)] == [True, True, False]
+    assert [wsc.acquire_task("default") is not None for _ in range(3)] == [True, True, False]
 
 
 def test_async_1_over_sends_and_serves_aborted_tasks_first(engine, tiny_model_path):
     """20% over-sending; responses dropped at the push; the aborted task is served next."""
     worker, wsc, pool, loader, tracker = build(engine, tiny_model_path, k=0, f=0.2, gpb=5)
     assert wsc.get_admission_state()["outstanding"] == 0
-    assert sum(wsc.acquire_rollout("default") for _ in range(8)) == 6  # 5 + ceil(0.2 * 5)
-    for _ in range(6):
-        wsc.release_rollout("default")
-        wsc.finish_generation("default")
+    tasks = [wsc.acquire_task("default") for _ in range(8)]
+    admitted = [t for t in tasks if t is not None]
+    assert len(admitted) == 6  # 5 + ceil(0.2 * 5)
+    for task in reversed(admitted):  # give them back: the front is 0, 1, ... again
+        wsc.complete_task("default", task, StepResult.REROLL)
     loop_with_push(worker, wsc, engine)
     assert pool.is_empty()  # nothing kept from the aborted generation
     first = loader.get_next_item()
-    assert first["index"] == 0 and first[ABORTS_KEY] == 1  # the abort queue comes first
+    assert first.data["index"] == 0 and first.aborts == 1  # the abort queue comes first
     assert tracker.get_counters()["rollout/aborted_groups"] == 1
     assert wsc.get_admission_state()["outstanding"] == 0  # its slot was given back
 
@@ -95,13 +83,13 @@ def test_async_2_tail_candidate_after_candidate_steps_plus_one_aborts(engine, ti
     """No partial, tail_batch_candidate_steps=1: the 2nd abort moves the task to the pool."""
     worker, wsc, pool, loader, _ = build(engine, tiny_model_path, tail_steps=1, trigger=2)
     loop_with_push(worker, wsc, engine)
-    assert loader.returned_items()[0][ABORTS_KEY] == 1  # first abort: re-queued
+    assert loader.returned_items()[0].aborts == 1  # first abort: re-queued
     loop_with_push(worker, wsc, engine)
     assert loader.returned_items() == []
     assert wsc.get_admission_state()["tail_candidates"] == 1  # waits for a 2nd candidate
-    assert wsc.flush_tail_candidates("default") == 1
+    assert wsc.admission.flush_tail("default") == 1
     served = loader.returned_items()[0]
-    assert served[TAIL_KEY] and PARTIAL_KEY not in served
+    assert served.tail and served.partial is None
     loop_with_push(worker, wsc, engine)  # a tail task is not aborted out again
     assert pool.num_ready() == 2
 
@@ -147,8 +135,8 @@ def test_async_4_partial_tail_candidate_keeps_its_tokens(engine, tiny_model_path
         start = engine.stats["generated_tokens"]
     thread.join(30)
     served = loader.returned_items()[0]  # trigger 1: served at once
-    assert served[TAIL_KEY] and served[ABORTS_KEY] == 2
-    kept = served[PARTIAL_KEY]
+    assert served.tail and served.aborts == 2
+    kept = served.partial
     assert any(len(c["response_ids"]) > 0 for c in kept)  # tokens kept across the deferral
     loop_with_push(worker, wsc, engine)  # the tail task resumes from its partial
     for traj in pool.get_batch(2).to_trajectories():

@@ -1,40 +1,26 @@
-"""Rollout workers against the real in-process engine, loader and pool."""
+"""Rollout workers against the real in-process engine, task owner, loader and pool."""
 
 import pytest
 
-from nexrl.data import InMemoryDataLoader
+from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.inference.client import LLMServiceClient
-from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
-from nexrl.pools import TrajectoryPool
 from nexrl.rewards import shift_letters
-from nexrl.rollout.workers import SingleTurnRolloutWorker
+from nexrl.types import Task
+from tests.rollout_parts import build_rollout_side, context
 
 
 @pytest.fixture
-def parts(tiny_model_path):
-    tracker = ActivityTracker({})
-    loader = InMemoryDataLoader({}, items=[{"prompt": "abcd>", "answer": "bcde", "uid": "u0"}])
-    pool = TrajectoryPool({"batch_size": 4, "group_size": 4, "key_list": ["uid"]})
-    client = LLMServiceClient({"backend": "builtin", "model": tiny_model_path, "model_tag": "t"})
-    return tracker, loader, pool, client
+def client(tiny_model_path):
+    return LLMServiceClient({"backend": "builtin", "model": tiny_model_path, "model_tag": "t"})
 
 
-def make_worker(parts, reward, **config):
-    tracker, loader, pool, client = parts
-    cfg = {"group_size": 4, "max_tokens": 4, "max_task_retries": 1, **config}
-    worker = SingleTurnRolloutWorker(cfg, client, reward)
-    worker.set_module_name("rollout_worker_0")
-    worker.set_activity_tracker(ActivityTrackerProxy(tracker))
-    pool.set_activity_tracker(ActivityTrackerProxy(tracker))
-    worker.set_module_references(pool, loader, None)
-    return worker
+ITEMS = [{"prompt": "abcd>", "answer": "bcde", "uid": "u0"}]
 
 
-def test_group_reaches_the_pool_with_engine_tokens(parts):
-    tracker, loader, pool, _ = parts
-    worker = make_worker(parts, shift_letters)
-    assert worker._loop_once()
-    batch = pool.get_batch()
+def test_group_reaches_the_pool_with_engine_tokens(client):
+    side = build_rollout_side(client, ITEMS, shift_letters)
+    assert side.worker._loop_once()
+    batch = side.pool.get_batch()
     assert len(batch) == 4 and len(set(batch.values["uid"])) == 1
     for ids, lps in zip(
         batch.values["response_ids"], batch.values["response_logprobs"], strict=True
@@ -43,34 +29,59 @@ def test_group_reaches_the_pool_with_engine_tokens(parts):
     assert all(0.0 <= r <= 1.0 for r in batch.values["reward"])
 
 
-def test_raising_reward_is_reported_retried_then_counted(parts):
-    tracker, loader, pool, _ = parts
-
+def test_raising_reward_is_reported_retried_then_counted(client):
     def broken(prompt, completion, **row):
         raise ZeroDivisionError("bad reward")
 
-    worker = make_worker(parts, broken)
-    assert worker._loop_once()  # attempt 1 fails: task back to the loader
-    assert len(loader) == 1
-    assert worker._loop_once()  # attempt 2 fails: retries exhausted
-    assert len(loader) == 0 and pool.is_empty()
-    assert tracker.get_counters()["tasks_failed/train"] == 1
-    errors = tracker.error_reporter.get_errors()
+    side = build_rollout_side(client, ITEMS, broken)
+    assert side.worker._loop_once()  # attempt 1 fails: task back to the loader
+    assert len(side.loader) == 1
+    assert side.worker._loop_once()  # attempt 2 fails: retries exhausted
+    assert len(side.loader) == 0 and side.pool.is_empty()
+    assert side.tracker.get_counters()["tasks_failed/train"] == 1
+    errors = side.tracker.error_reporter.get_errors()
     assert [e.exception_type for e in errors] == ["ZeroDivisionError"] * 2
 
 
-def test_dynamic_sampling_drops_groups_with_one_reward_value(parts):
-    tracker, loader, pool, _ = parts
-    worker = make_worker(parts, lambda prompt, completion, **row: 0.5, dynamic_sampling=True)
-    assert worker._loop_once()
-    assert pool.is_empty()
-    assert tracker.get_counters()["groups_dropped/dynamic_sampling"] == 1
+def test_dynamic_sampling_drops_groups_with_one_reward_value(client):
+    side = build_rollout_side(
+        client, ITEMS, lambda prompt, completion, **row: 0.5, ctx=context(dynamic_sampling=True)
+    )
+    assert side.worker._loop_once()
+    assert side.pool.is_empty()
+    assert side.tracker.get_counters()["groups_dropped/dynamic_sampling"] == 1
 
 
-def test_pool_lock_sends_the_task_back_for_re_rollout(parts):
-    tracker, loader, pool, _ = parts
-    pool.notify_weight_sync_starting()
-    worker = make_worker(parts, shift_letters)
-    assert worker._loop_once()
-    assert pool.is_empty() and len(loader) == 1  # same task waits at the front
-    assert loader.get_next_item()["prompt"] == "abcd>"
+def test_reroll_sends_the_task_back_to_the_front(client):
+    from nexrl.rollout.workers import SingleTurnRolloutWorker
+
+    class Rerolling(SingleTurnRolloutWorker):
+        def step(self, task):
+            return "re-rollout"  # the seed's string answer
+
+    side = build_rollout_side(client, ITEMS, shift_letters, worker_cls=Rerolling)
+    assert side.worker._loop_once()
+    assert side.pool.is_empty() and len(side.loader) == 1  # same task waits at the front
+    again = side.loader.get_next_item()
+    assert isinstance(again, Task) and again.data["prompt"] == "abcd>"
+    assert side.tracker.get_counters()["rollout/released/re-rollout"] == 1
+
+
+def test_chat_prompt_is_rendered_with_the_template_once(client):
+    messages = [{"role": "user", "content": "abcd>"}]
+    items = [{"prompt": messages, "answer": "bcde", "uid": "c0"}]
+    cfg = RolloutWorkerConfig(group_size=2, max_tokens=4, max_task_retries=0)
+    side = build_rollout_side(client, items, shift_letters, worker=cfg)
+    assert side.worker._loop_once()
+    batch = side.pool.get_batch()
+    want = client.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert batch.values["prompt_ids"][0] == list(want)  # exactly the ids the engine saw
+    assert batch.values["prompt"][0] == messages
+
+
+def test_malformed_chat_prompt_names_the_column(client):
+    items = [{"prompt": [{"content": "no role"}], "uid": "bad"}]
+    side = build_rollout_side(client, items, shift_letters)
+    assert side.worker._loop_once()
+    message = side.tracker.error_reporter.get_errors()[0].message
+    assert "'prompt' (data.prompt_key): message 0 needs a string 'role'" in message

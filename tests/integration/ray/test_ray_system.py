@@ -12,7 +12,7 @@ from omegaconf import OmegaConf, open_dict
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController, TrainingAborted
-from nexrl.distributed import ModuleDiedError, execute
+from nexrl.execute import ModuleDiedError, execute
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

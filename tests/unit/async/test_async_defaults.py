@@ -3,23 +3,27 @@
 import pytest
 
 from nexrl.algorithms.processor import async_metrics
-from nexrl.builders import async_loss_defaults
+from nexrl.config.schema import AlgorithmConfig
+from nexrl.training.train_worker import LossSpec
+
+
+def kwargs_of(loss_kwargs, mode):
+    spec = LossSpec.from_config(AlgorithmConfig(loss_kwargs=loss_kwargs), mode)
+    return {k: v for k, v in spec.loss_kwargs.items() if k != "agg_mode"}
 
 
 def test_sync_keeps_plain_grpo():
-    algo = {"loss_fn": "ppo_clip", "loss_kwargs": {"clip_low": 0.2}}
-    assert async_loss_defaults(algo, "sync")["loss_kwargs"] == {"clip_low": 0.2}
+    assert kwargs_of({"clip_low": 0.2}, "sync") == {"clip_low": 0.2}
 
 
 @pytest.mark.parametrize("mode", ["batch-async", "fully-async"])
 def test_async_modes_add_token_level_truncated_is(mode):
-    out = async_loss_defaults({"loss_kwargs": {"clip_low": 0.2}}, mode)
-    assert out["loss_kwargs"] == {"clip_low": 0.2, "tis_level": "token", "tis_cap": 2.0}
+    out = kwargs_of({"clip_low": 0.2}, mode)
+    assert out == {"clip_low": 0.2, "tis_level": "token", "tis_cap": 2.0}
 
 
 def test_a_users_choice_of_correction_is_kept():
-    out = async_loss_defaults({"loss_kwargs": {"decoupled": True}}, "fully-async")
-    assert out["loss_kwargs"] == {"decoupled": True}
+    assert kwargs_of({"decoupled": True}, "fully-async") == {"decoupled": True}
 
 
 def test_async_metrics_count_per_group_aborts_and_per_sample_continuations():

@@ -4,10 +4,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from nexrl.config.schema import TrajectoryPoolConfig, WeightConfig
 from nexrl.data import InMemoryDataLoader
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrajectoryPool
 from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
+from nexrl.types import StepResult
 from nexrl.weight_sync import WeightSyncController
 
 
@@ -36,7 +38,7 @@ def test_over_sampling_adds_a_fraction_of_a_batch():
 
 def test_sync_mode_forces_k_zero_and_sync_every_one():
     policy = SamplePolicy.from_config(
-        {"sync_mode": "sync", "staleness_threshold": 3, "sync_every": 2, "groups_per_batch": 2}
+        WeightConfig(sync_mode="sync", staleness_threshold=3, sync_every=2), groups_per_batch=2
     )
     assert policy.staleness_threshold == 0 and policy.sync_every == 1
 
@@ -47,13 +49,13 @@ def test_sync_mode_forces_k_zero_and_sync_every_one():
 )
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ValueError, match=f"weight.{key}"):
-        SamplePolicy.from_config({"sync_mode": "fully-async", key: value})
+        SamplePolicy.from_config(WeightConfig(sync_mode="fully-async", **{key: value}), 2)
 
 
 @pytest.mark.parametrize("mode", ["sync", "batch-async"])
 def test_inflight_update_is_a_fully_async_option(mode):
     with pytest.raises(ValueError, match="weight.inflight_weight_update"):
-        SamplePolicy.from_config({"sync_mode": mode, "inflight_weight_update": True})
+        SamplePolicy.from_config(WeightConfig(sync_mode=mode, inflight_weight_update=True), 2)
 
 
 def test_inflight_update_needs_the_builtin_engine():
@@ -74,7 +76,7 @@ def test_inflight_update_needs_the_builtin_engine():
 
 def test_unknown_mode_lists_the_choices():
     with pytest.raises(ValueError, match="batch-async"):
-        SamplePolicy.from_config({"sync_mode": "async"})
+        SamplePolicy.from_config(WeightConfig(sync_mode="async"), 2)
 
 
 class NullInference:
@@ -95,19 +97,14 @@ class NullInference:
 
 def make_system(k, gpb, f, group_size=2):
     wsc = WeightSyncController(
-        {
-            "sync_mode": "fully-async",
-            "staleness_threshold": k,
-            "over_sample_threshold": f,
-            "groups_per_batch": gpb,
-        },
+        WeightConfig(sync_mode="fully-async", staleness_threshold=k, over_sample_threshold=f),
         NullInference(),
         "/tmp/unused",
+        groups_per_batch=gpb,
+        max_task_retries=0,
     )
     loader = InMemoryDataLoader({}, items=[{"prompt": f"p{i}"} for i in range(10_000)])
-    pool = TrajectoryPool(
-        {"batch_size": gpb * group_size, "group_size": group_size, "key_list": ["uid"]}
-    )
+    pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=gpb * group_size, group_size=group_size))
     tracker = ActivityTrackerProxy(ActivityTracker({}))
     for m in (wsc, pool, loader):
         m.set_activity_tracker(tracker)
@@ -145,22 +142,26 @@ def test_random_schedules_never_train_a_sample_beyond_the_bound(k, gpb, f, actio
     formed: list = []
     for action, pick in actions:
         version = wsc.get_rollout_model_version()
-        if action == "s" and wsc.acquire_rollout("default"):
-            wsc.finish_generation("default")
-            running.append((loader.get_next_item(), version))
+        task = wsc.acquire_task("default") if action == "s" else None
+        if task is not None:
+            running.append((task, version))
         elif action == "d" and running:
             task, v = running.pop(pick % len(running))
             group = [
                 {
-                    "uid": task["uid"],
+                    "uid": task.uid,
+                    "task_id": task.task_id,
+                    "prompt_ids": [1],
+                    "response_ids": [2],
+                    "response_logprobs": [0.0],
                     "model_version": v,
                     "token_versions": [v, version],
                     "model_tag": "default",
-                    "_nexrl_task": task,
                 }
                 for _ in range(2)
             ]
             assert pool.put_trajectory_group(group) == "success"
+            wsc.complete_task("default", task, StepResult.SUCCESS)
         elif action == "b":
             batch = pool.get_batch()
             if batch is not None:

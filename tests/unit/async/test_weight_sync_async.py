@@ -3,10 +3,12 @@
 import threading
 import time
 
+from nexrl.config.schema import TrajectoryPoolConfig, WeightConfig
 from nexrl.data import InMemoryDataLoader
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrajectoryPool
-from nexrl.weight_sync import TAIL_KEY, WeightSyncController
+from nexrl.types import StepResult, Task
+from nexrl.weight_sync import WeightSyncController
 
 
 class RecordingInference:
@@ -33,10 +35,10 @@ class RecordingInference:
 
 def make(mode="batch-async", k=1, gpb=2, **extra):
     client = RecordingInference()
-    cfg = {"sync_mode": mode, "staleness_threshold": k, "groups_per_batch": gpb, **extra}
-    wsc = WeightSyncController(cfg, client, "/tmp/sync")
+    cfg = WeightConfig(sync_mode=mode, staleness_threshold=k, **extra)
+    wsc = WeightSyncController(cfg, client, "/tmp/sync", groups_per_batch=gpb, max_task_retries=0)
     loader = InMemoryDataLoader({}, items=[{"prompt": f"p{i}"} for i in range(20)])
-    pool = TrajectoryPool({"batch_size": 2 * gpb, "group_size": 2, "key_list": ["uid"]})
+    pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=2 * gpb, group_size=2))
     tracker = ActivityTracker({})
     for m in (wsc, pool, loader):
         m.set_activity_tracker(ActivityTrackerProxy(tracker))
@@ -45,55 +47,71 @@ def make(mode="batch-async", k=1, gpb=2, **extra):
     return wsc, pool, loader, client, tracker
 
 
-def group(task, version):
+def group(task: Task, version):
     return [
         {
-            "uid": task["uid"],
+            "uid": task.uid,
+            "task_id": task.task_id,
+            "prompt_ids": [1],
+            "response_ids": [2],
+            "response_logprobs": [0.0],
             "model_version": version,
             "token_versions": [version],
             "model_tag": "default",
-            "_nexrl_task": task,
         }
         for _ in range(2)
     ]
 
 
+def land(wsc, pool, version):
+    """A worker's whole step: acquire a task, put its group, report success."""
+    task = wsc.acquire_task("default")
+    assert task is not None
+    pool.put_trajectory_group(group(task, version))
+    wsc.complete_task("default", task, StepResult.SUCCESS)
+    return task
+
+
 def test_sync_mode_admits_exactly_one_batch_until_the_push():
     wsc, pool, loader, client, _ = make(mode="sync", k=5)
-    assert [wsc.acquire_rollout("default") for _ in range(3)] == [True, True, False]
-    for _ in range(2):
-        pool.put_trajectory_group(group(loader.get_next_item(), 0))
+    tasks = [wsc.acquire_task("default") for _ in range(3)]
+    assert tasks[2] is None and None not in tasks[:2]
+    for task in tasks[:2]:
+        pool.put_trajectory_group(group(task, 0))
+        wsc.complete_task("default", task, StepResult.SUCCESS)
     assert pool.get_batch().metadata["batch_index"] == 0
-    assert not wsc.acquire_rollout("default")  # batch 0 trains: nothing new starts
+    assert wsc.acquire_task("default") is None  # batch 0 trains: nothing new starts
     wsc.train_worker_notify_weight_update("train_worker_0", "default")
     assert client.calls == ["update:1"]
-    assert wsc.acquire_rollout("default")
+    assert wsc.acquire_task("default") is not None
 
 
 def test_batch_async_push_waits_for_running_rollouts():
     wsc, _, _, client, _ = make()
-    assert wsc.acquire_rollout("default")  # a rollout runs on version 0
+    running = wsc.acquire_task("default")  # a rollout runs on version 0
+    assert running is not None
     pusher = threading.Thread(
         target=wsc.train_worker_notify_weight_update, args=("train_worker_0", "default")
     )
     pusher.start()
     time.sleep(0.1)
     assert client.calls == []  # still running on the old weights
-    assert not wsc.acquire_rollout("default")  # new rollouts wait for the push
+    assert wsc.acquire_task("default") is None  # new rollouts wait for the push
     assert wsc.check_rollout_service_status("default") == "continue"  # running ones go on
-    wsc.finish_generation("default")
+    wsc.complete_task("default", running, StepResult.DROPPED)
     pusher.join(5)
     assert client.calls == ["update:1"] and wsc.get_rollout_model_version("default") == 1
-    assert wsc.acquire_rollout("default")
+    assert wsc.acquire_task("default") is not None
 
 
 def test_fully_async_push_aborts_running_requests_under_a_block():
     wsc, _, _, client, _ = make(mode="fully-async")
     seen = {}
     client.on_abort = lambda: seen.update(
-        status=wsc.check_rollout_service_status("default"), admit=wsc.acquire_rollout("default")
+        status=wsc.check_rollout_service_status("default"),
+        admit=wsc.acquire_task("default") is not None,
     )
-    assert wsc.acquire_rollout("default")  # running requests do not delay the push
+    assert wsc.acquire_task("default") is not None  # running requests do not delay the push
     wsc.train_worker_notify_weight_update("train_worker_0", "default")
     assert client.calls == ["pause", "abort", "update:1", "resume"]
     assert seen == {"status": "block", "admit": False}
@@ -109,49 +127,53 @@ def test_sync_every_pushes_every_n_steps_and_versions_count_steps():
 
 
 def test_tail_candidates_are_served_together_before_new_data():
-    wsc, _, loader, _, tracker = make(mode="fully-async", tail_batch_trigger_size=2)
-    wsc.add_tail_candidate("default", {"prompt": "late-1"})
+    wsc, _, _, _, tracker = make(mode="fully-async", tail_batch_trigger_size=2)
+    late = [wsc.acquire_task("default") for _ in range(2)]
+    wsc.complete_task("default", late[0], StepResult.DEFERRED)
     assert wsc.get_admission_state()["tail_candidates"] == 1
-    assert loader.get_next_item()["prompt"] == "p0"  # not served yet
-    wsc.add_tail_candidate("default", {"prompt": "late-2"})
-    first, second = loader.get_next_item(), loader.get_next_item()
-    assert [first["prompt"], second["prompt"]] == ["late-1", "late-2"]
-    assert first[TAIL_KEY] and second[TAIL_KEY]
+    assert wsc.acquire_task("default").data["prompt"] == "p2"  # not served yet
+    wsc.complete_task("default", late[1], StepResult.DEFERRED)
+    first, second = wsc.acquire_task("default"), wsc.acquire_task("default")
+    assert [first.data["prompt"], second.data["prompt"]] == ["p0", "p1"]
+    assert first.tail and second.tail
     counters = tracker.get_counters()
     assert counters["tail_batch/served"] == 2 and counters["tail_batch/batches"] == 1
 
 
 def test_stale_group_is_dropped_and_its_task_served_first():
-    wsc, pool, loader, _, tracker = make(k=0, gpb=1, over_sample_threshold=1.0)
-    old = loader.get_next_item()
-    for _ in range(2):  # one over-sent group
-        assert wsc.acquire_rollout("default")
-        wsc.finish_generation("default")
+    wsc, pool, loader, _, tracker = make(
+        mode="fully-async", k=0, gpb=1, over_sample_threshold=1.0
+    )
+    old, late = wsc.acquire_task("default"), wsc.acquire_task("default")  # one over-sent
     pool.put_trajectory_group(group(old, 0))
+    wsc.complete_task("default", old, StepResult.SUCCESS)
     assert pool.get_batch().metadata["batch_index"] == 0
     wsc.train_worker_notify_weight_update("train_worker_0", "default")  # version 1
-    late = loader.get_next_item()
     pool.put_trajectory_group(group(late, 0))  # started on version 0: staleness 1 > 0
-    fresh = loader.get_next_item()
-    pool.put_trajectory_group(group(fresh, 1))
+    wsc.complete_task("default", late, StepResult.SUCCESS)
+    fresh = land(wsc, pool, 1)
     batch = pool.get_batch()
-    assert batch.values["uid"] == [fresh["uid"]] * 2
+    assert batch.values["uid"] == [fresh.uid] * 2
     assert batch.metadata["batch_index"] == 1 and batch.metadata["staleness_dropped"] == 1
-    assert loader.get_next_item()["uid"] == late["uid"]  # re-queued at the front
+    again = loader.get_next_item()  # re-queued at the front, with its bookkeeping
+    assert isinstance(again, Task) and again.uid == late.uid
     assert tracker.get_counters()["staleness/dropped"] == 1
 
 
 def test_a_waiting_acquire_is_woken_by_the_change_that_admits_it():
     wsc, pool, loader, client, _ = make(mode="sync", k=5)
-    assert [wsc.acquire_rollout("default") for _ in range(2)] == [True, True]
+    tasks = [wsc.acquire_task("default") for _ in range(2)]
     start = time.monotonic()
-    assert not wsc.acquire_rollout("default", wait_s=0.1)  # nothing changes: refused on time
+    assert wsc.acquire_task("default", wait_s=0.1) is None  # nothing changes: refused on time
     assert 0.1 <= time.monotonic() - start < 2
-    for _ in range(2):
-        pool.put_trajectory_group(group(loader.get_next_item(), 0))
+    for task in tasks:
+        pool.put_trajectory_group(group(task, 0))
+        wsc.complete_task("default", task, StepResult.SUCCESS)
     pool.get_batch()
     admitted = []
-    waiter = threading.Thread(target=lambda: admitted.append(wsc.acquire_rollout("default", 30)))
+    waiter = threading.Thread(
+        target=lambda: admitted.append(wsc.acquire_task("default", 30) is not None)
+    )
     waiter.start()
     time.sleep(0.2)
     assert waiter.is_alive() and not admitted  # batch 0 trains: the worker waits
@@ -161,13 +183,25 @@ def test_a_waiting_acquire_is_woken_by_the_change_that_admits_it():
     assert admitted == [True] and time.monotonic() - start < 5
 
 
-def test_a_waiting_acquire_gives_way_to_validation():
-    wsc, *_ = make(mode="sync", k=5)
-    assert [wsc.acquire_rollout("default") for _ in range(2)] == [True, True]
-    refused = []
-    waiter = threading.Thread(target=lambda: refused.append(wsc.acquire_rollout("default", 30)))
-    waiter.start()
-    time.sleep(0.1)
+def test_validation_tasks_need_no_admission():
+    wsc, pool, loader, client, _ = make(mode="sync", k=5)
+    validate = InMemoryDataLoader({}, items=[{"prompt": "v0"}])
+    wsc.set_module_references(loader, pool, validate)
+    assert [wsc.acquire_task("default") is not None for _ in range(3)] == [True, True, False]
     wsc.start_validate("default")
-    waiter.join(5)
-    assert refused == [False]  # the worker goes back to its loop and runs validation tasks
+    task = wsc.acquire_task("default")
+    assert task.is_validate and task.data["prompt"] == "v0"
+    assert wsc.acquire_task("default") is None  # validation set done; training still full
+
+
+def test_failed_task_is_retried_then_counted_and_its_slot_released():
+    wsc, pool, loader, _, tracker = make(mode="sync", k=5, gpb=1)
+    wsc.admission.max_task_retries = 1
+    task = wsc.acquire_task("default")
+    wsc.complete_task("default", task, StepResult.FAIL)
+    again = wsc.acquire_task("default")  # the slot came back; the task is served first
+    assert again.task_id == task.task_id and again.retries == 1
+    wsc.complete_task("default", again, StepResult.FAIL)
+    counters = tracker.get_counters()
+    assert counters["tasks_failed/train"] == 1 and counters["tasks_in/train"] == 1
+    assert wsc.acquire_task("default").data["prompt"] == "p1"

@@ -1,6 +1,7 @@
 import torch
 
-from nexrl.algorithms.processor import GRPOProcessor, collate, group_index
+from nexrl.algorithms.processor import GRPOProcessor, ProcessorContext, collate, group_index
+from nexrl.config.schema import AlgorithmConfig
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrainBatchPool
 from nexrl.types import Batch
@@ -34,13 +35,16 @@ def test_collate_keeps_tool_tokens_out_of_the_loss():
     assert collate([t], 0)["loss_mask"].tolist() == [[0, 1, 0, 1]]
 
 
+CONTEXT = ProcessorContext(batch_size=0, max_tokens=4, pad_token_id=0)
+
+
 def test_group_index_follows_first_appearance():
     assert group_index(["b", "a", "b", "c"]).tolist() == [0, 1, 0, 2]
 
 
 def test_grpo_processor_puts_group_normalised_batch():
-    pool = TrainBatchPool({})
-    proc = GRPOProcessor({"advantage_estimator": "grpo"}, pad_token_id=0)
+    pool = TrainBatchPool()
+    proc = GRPOProcessor(AlgorithmConfig(advantage_estimator="grpo"), CONTEXT)
     proc.set_activity_tracker(ActivityTrackerProxy(ActivityTracker({})))
     proc.set_module_references(None, pool)
     trajs = [traj("a", [1], [2], [-1.0], r, version=3) for r in (1.0, 0.0)]
@@ -56,9 +60,10 @@ def test_grpo_processor_puts_group_normalised_batch():
     assert out.metadata["rollout_metrics"]["reward/mean"] == 0.5
 
 
-def run_processor(config, trajs):
-    pool = TrainBatchPool({})
-    proc = GRPOProcessor({"advantage_estimator": "grpo", **config}, pad_token_id=0)
+def run_processor(config, trajs, max_tokens=4):
+    pool = TrainBatchPool()
+    context = ProcessorContext(batch_size=0, max_tokens=max_tokens, pad_token_id=0)
+    proc = GRPOProcessor(AlgorithmConfig(advantage_estimator="grpo", **config), context)
     proc.set_activity_tracker(ActivityTrackerProxy(ActivityTracker({})))
     proc.set_module_references(None, pool)
     proc._fit(Batch.from_trajectories(trajs, model_tag="default"), "train")
@@ -68,7 +73,7 @@ def run_processor(config, trajs):
 def test_overlong_shaping_penalises_the_long_sample():
     # equal raw rewards; only the 4-token response falls in the 2-token overlong buffer
     trajs = [traj("a", [1], [2, 3], [-1.0] * 2, 1.0), traj("a", [1], [2, 3, 4, 5], [-1.0] * 4, 1.0)]
-    out = run_processor({"overlong_buffer_len": 2, "max_tokens": 4}, trajs)
+    out = run_processor({"overlong_buffer_len": 2}, trajs, max_tokens=4)
     assert out.values["rewards"].tolist() == [1.0, 0.0]  # 1 + (2 - 4) / 2 * 1.0
     assert out.values["advantages"][0, 1] > 0 > out.values["advantages"][1, 1]
 
@@ -85,8 +90,8 @@ def test_kl_in_reward_without_reference_model_names_the_key():
         def compute_ref_logprobs(self, batch):
             return None
 
-    pool = TrainBatchPool({})
-    proc = GRPOProcessor({"kl_in_reward_coef": 0.1}, pad_token_id=0)
+    pool = TrainBatchPool()
+    proc = GRPOProcessor(AlgorithmConfig(kl_in_reward_coef=0.1), CONTEXT)
     proc.set_activity_tracker(ActivityTrackerProxy(ActivityTracker({})))
     proc.set_module_references(None, pool, NoReference())
     trajs = [traj("a", [1], [2], [-1.0], r) for r in (0.0, 1.0)]

@@ -1,6 +1,6 @@
 import torch
 
-from nexrl.distributed import execute, execute_async, resolve
+from nexrl.execute import execute, execute_async, resolve
 from nexrl.types import Batch, NexRLRole
 
 

@@ -1,8 +1,11 @@
-"""Sync-mode weight sync against the real TrajectoryPool."""
+"""Sync-mode weight sync: admission holds rollouts while a batch trains and validates."""
 
+from nexrl.config.schema import TrajectoryPoolConfig, WeightConfig
+from nexrl.data import InMemoryDataLoader
 from nexrl.inference.protocol import WeightUpdateMeta
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrajectoryPool
+from nexrl.types import StepResult
 from nexrl.weight_sync import WeightSyncController
 
 
@@ -16,55 +19,61 @@ class RecordingInferenceClient:
         self.updates.append(meta)
 
 
-def group(uid, n=2):
-    return [{"uid": uid, "reward": float(i), "model_tag": "default"} for i in range(n)]
-
-
 def make(validate_freq=0):
     client = RecordingInferenceClient()
     wsc = WeightSyncController(
-        {"sync_mode": "sync", "validate_freq": validate_freq}, client, "/tmp/sync"
+        WeightConfig(sync_mode="sync", validate_freq=validate_freq),
+        client,
+        "/tmp/sync",
+        groups_per_batch=2,
+        max_task_retries=0,
     )
-    pool = TrajectoryPool({"batch_size": 4, "group_size": 2, "key_list": ["uid"]})
+    loader = InMemoryDataLoader({}, items=[{"prompt": f"p{i}"} for i in range(10)])
+    pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2))
     tracker = ActivityTrackerProxy(ActivityTracker({}))
-    for m in (wsc, pool):
+    for m in (wsc, pool, loader):
         m.set_activity_tracker(tracker)
-    pool.set_module_references(None, wsc)
-    wsc.set_module_references(None, pool)
+    pool.set_module_references(loader, wsc)
+    wsc.set_module_references(loader, pool, InMemoryDataLoader({}, items=[{"prompt": "v"}]))
     return wsc, pool, client
+
+
+def land(wsc, pool):
+    task = wsc.acquire_task("default")
+    traj = {"uid": task.uid, "task_id": task.task_id, "model_version": 0, "model_tag": "default"}
+    traj.update(prompt_ids=[1], response_ids=[2], response_logprobs=[0.0], reward=1.0)
+    assert pool.put_trajectory_group([dict(traj), dict(traj)]) == "success"
+    wsc.complete_task("default", task, StepResult.SUCCESS)
 
 
 def test_full_batch_blocks_rollouts_until_weights_are_pushed():
     wsc, pool, client = make()
-    assert pool.put_trajectory_group(group("a")) == "success"
-    assert wsc.check_rollout_service_status("default") == "continue"
-    assert pool.put_trajectory_group(group("b")) == "success"  # batch ready -> lock
-    assert wsc.check_rollout_service_status("default") == "block"
-    assert pool.put_trajectory_group(group("c")) == "re-rollout"
+    land(wsc, pool)
+    land(wsc, pool)
+    assert wsc.acquire_task("default") is None  # one batch admitted: nothing more starts
     assert pool.get_batch() is not None
+    assert wsc.acquire_task("default") is None  # the batch trains
     wsc.train_worker_notify_weight_update("train_worker_0", "default")
     assert [u.version for u in client.updates] == [1]
     assert client.updates[0].path == "/tmp/sync"
     assert wsc.get_rollout_model_version("default") == 1
-    assert wsc.check_rollout_service_status("default") == "continue"
-    assert pool.put_trajectory_group(group("c")) == "success"
+    assert wsc.acquire_task("default") is not None
 
 
-def test_validation_holds_the_lock_until_it_ends():
+def test_validation_holds_training_admission_until_it_ends():
     wsc, pool, _ = make(validate_freq=1)
-    pool.put_trajectory_group(group("a"))
-    pool.put_trajectory_group(group("b"))
+    land(wsc, pool)
+    land(wsc, pool)
     pool.get_batch()
     wsc.train_worker_notify_weight_update("train_worker_0", "default")
     assert wsc.is_waiting_for_validation()
-    assert wsc.check_rollout_service_status("default") == "block"
+    assert wsc.acquire_task("default") is None  # training data waits for the validation
     wsc.start_validate("default")
-    assert wsc.check_rollout_service_status("default") == "continue"  # validation requests pass
-    assert pool.put_trajectory_group(group("x")) == "re-rollout"  # but training data waits
+    task = wsc.acquire_task("default")
+    assert task.is_validate  # validation tasks pass
     wsc.end_validate("default")
     assert not wsc.is_waiting_for_validation()
-    assert wsc.check_rollout_service_status("default") == "continue"
-    assert pool.put_trajectory_group(group("x")) == "success"
+    assert not wsc.acquire_task("default").is_validate
 
 
 def test_versions_are_per_model_tag():

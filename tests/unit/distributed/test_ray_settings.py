@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from nexrl.distributed.execute import default_timeout, set_default_timeout
-from nexrl.distributed.ray_system import DEFAULT_COLOCATION, RaySettings, check_layout
+from nexrl.distributed.ray_system import check_layout
+from nexrl.distributed.settings import DEFAULT_COLOCATION, RaySettings
+from nexrl.execute import default_timeout, set_default_timeout
 from nexrl.monitoring import ActivityTracker
 
 

@@ -7,9 +7,9 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from nexrl.distributed import ModuleDiedError, execute
-from nexrl.distributed.ray_system import RaySettings, actor_env
 from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager
+from nexrl.distributed.settings import RaySettings, actor_env
+from nexrl.execute import ModuleDiedError, execute
 from nexrl.module import NexRLModule
 from nexrl.monitoring import ActivityTracker
 from nexrl.types import NexRLRole

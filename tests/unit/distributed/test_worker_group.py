@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nexrl.distributed.dp_train import RayDataParallelTrainClient
-from nexrl.distributed.ray_system import RaySettings, actor_env
+from nexrl.distributed.settings import RaySettings, actor_env
 from nexrl.distributed.virtual_cluster import PlacementGroupUnsatisfiable, RayVirtualCluster
 from nexrl.distributed.worker_group import RayWorkerGroup
 from nexrl.training.client import TrainServiceClient

@@ -1,4 +1,4 @@
-"""TrajectoryPool: batches of whole groups per model tag, weight-sync gate, notifications."""
+"""TrajectoryPool: batches of whole groups per model tag, one `form_batch` call per batch."""
 
 from __future__ import annotations
 
@@ -6,122 +6,97 @@ import threading
 
 import pytest
 
+from nexrl.config.schema import TrainBatchPoolConfig, TrajectoryPoolConfig
 from nexrl.data import InMemoryDataLoader
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrainBatchPool, TrajectoryPool
+from nexrl.rollout.admission import BatchPlan
 from nexrl.types import Batch
 
 
 class RecordingWeightSync:
-    """Stand-in weight sync controller: records batch-ready notifications, and can
-    lock the pool from inside the callback like the sync-mode controller does."""
+    """Stand-in task owner: records each `form_batch` call and marks the groups whose
+    oldest version is below `min_version` as stale."""
 
-    def __init__(self, pool: TrajectoryPool | None = None) -> None:
-        self.ready: list[str] = []
-        self.pool = pool
+    def __init__(self, min_version: int = 0) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self.min_version = min_version
+        self.formed = 0
 
-    def trajectory_pool_notify_batch_ready(self, model_tag: str) -> None:
-        self.ready.append(model_tag)
-        if self.pool is not None:
-            self.pool.notify_weight_sync_starting(model_tag)
+    def form_batch(self, model_tag, groups, need):
+        self.calls.append((model_tag, len(groups), need))
+        stale = [i for i, g in enumerate(groups) if (g.min_version or 0) < self.min_version]
+        fresh = [i for i in range(len(groups)) if i not in stale]
+        take = (fresh[:need] if need else fresh) if len(fresh) >= max(need, 1) else []
+        index = None
+        if take:
+            index, self.formed = self.formed, self.formed + 1
+        return BatchPlan(index=index, take=take, stale=stale)
+
+
+def traj(uid: str, i: int = 0, **kw) -> dict:
+    base = {"uid": uid, "i": i, "reward": float(i), "prompt_ids": [1], "response_ids": [2]}
+    return {**base, "response_logprobs": [0.0], **kw}
 
 
 def group(uid: str, n: int, **kw) -> list[dict]:
-    return [{"uid": uid, "i": i, "reward": float(i), **kw} for i in range(n)]
+    return [traj(uid, i, **kw) for i in range(n)]
 
 
 def make_pool(**cfg) -> tuple[TrajectoryPool, RecordingWeightSync]:
-    pool = TrajectoryPool({"batch_size": 4, "group_size": 2, **cfg})
+    pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2, **cfg))
     wsc = RecordingWeightSync()
     pool.set_module_references(InMemoryDataLoader(items=[]), wsc)
     return pool, wsc
 
 
-def test_batch_of_whole_groups_and_one_notification_per_batch() -> None:
+def test_batch_of_whole_groups_and_one_form_batch_call_per_batch() -> None:
     pool, wsc = make_pool()
-    for t in group("a", 2) + group("b", 1):
-        assert pool.put_trajectory(t) == "success"
-    assert pool.get_batch() is None and wsc.ready == []  # 2 ready, b incomplete
-    assert pool.put_trajectory(group("b", 2)[1]) == "success"
-    assert wsc.ready == ["default"]
-    for uid in "cd":
-        pool.put_trajectory_group(group(uid, 2))
-    assert wsc.ready == ["default", "default"]  # one per ready batch
+    assert pool.put_trajectory_group(group("a", 2)) == "success"
+    assert pool.get_batch() is None and wsc.calls == []  # not enough: no call at all
+    pool.put_trajectory_group(group("b", 2))
+    pool.put_trajectory_group(group("c", 2))
     batch = pool.get_batch()
-    assert isinstance(batch, Batch) and len(batch) == 4
-    assert batch.values["uid"] == ["a", "a", "b", "b"]
-    assert batch.metadata["model_tag"] == "default" and batch.metadata["group_size"] == 2
-    assert pool.num_ready() == 4 and not pool.is_empty()
-    assert len(pool.get_batch()) == 4 and pool.is_empty() and pool.get_batch() is None
+    assert batch.values["uid"] == ["a", "a", "b", "b"] and batch.metadata["batch_index"] == 0
+    assert wsc.calls == [("default", 3, 2)]  # all ready groups, two needed
+    assert pool.num_ready() == 2
+
+
+def test_stale_groups_are_discarded_and_counted_in_the_batch() -> None:
+    pool, wsc = make_pool()
+    wsc.min_version = 1
+    pool.put_trajectory_group(group("old", 2, model_version=0))
+    pool.put_trajectory_group(group("b", 2, model_version=1))
+    assert pool.get_batch() is None  # one fresh group: no batch, the stale one is gone
+    pool.put_trajectory_group(group("c", 2, model_version=1))
+    batch = pool.get_batch()
+    assert batch.values["uid"] == ["b", "b", "c", "c"]
+    assert pool.is_empty()
 
 
 def test_model_tags_have_separate_stores() -> None:
-    pool, wsc = make_pool()
-    pool.put_trajectory_group(group("a", 2, model_tag="actor"))
-    pool.put_trajectory_group(group("b", 2, model_tag="actor"))
-    pool.put_trajectory_group(group("c", 2))
-    assert sorted(pool.get_model_tags()) == ["actor", "default"]
-    assert wsc.ready == ["actor"]
-    assert pool.get_batch(model_tag="default") is None
-    assert pool.get_batch(model_tag="missing") is None
-    batch = pool.get_batch()  # any tag with enough samples
-    assert batch.metadata["model_tag"] == "actor"
-    assert pool.is_empty("actor") and not pool.is_empty()
-    assert len(pool.get_batch(batch_size=2, model_tag="default")) == 2
-    with pytest.raises(ValueError, match="multiple of group_size"):
-        pool.get_batch(batch_size=3)
+    pool, _ = make_pool()
+    pool.put_trajectory_group(group("a", 2, model_tag="x"))
+    pool.put_trajectory_group(group("b", 2, model_tag="y"))
+    assert pool.get_batch(model_tag="x") is None
+    pool.put_trajectory_group(group("c", 2, model_tag="x"))
+    assert pool.get_batch(model_tag="x").values["uid"] == ["a", "a", "c", "c"]
+    assert sorted(pool.get_model_tags()) == ["x", "y"]
 
 
-def test_weight_sync_lock_refuses_whole_groups_then_unlocks() -> None:
-    pool, wsc = make_pool()
-    pool.notify_weight_sync_starting()  # no tag: all tags, even ones not seen yet
-    assert pool.put_trajectory_group(group("a", 2)) == "re-rollout"
-    assert pool.put_trajectory({"uid": "z", "model_tag": "new"}) == "re-rollout"
-    assert pool.is_empty()
-    pool.unlock_for_weight_sync()
-    assert pool.put_trajectory_group(group("a", 2)) == "success"
-    pool.notify_weight_sync_starting("default")
-    assert pool.put_trajectory({"uid": "b"}) == "re-rollout"
-    assert pool.put_trajectory({"uid": "b", "model_tag": "other"}) == "success"
-
-
-def test_lock_taken_during_notification_never_splits_a_group() -> None:
-    """The sync controller locks the pool when a batch becomes ready; concurrent group
-    puts are then accepted or refused whole, so every held group stays complete."""
-    pool = TrajectoryPool({"batch_size": 4, "group_size": 4})
-    wsc = RecordingWeightSync(pool)
-    pool.set_module_references(None, wsc)
-    results: dict[str, str] = {}
-
-    def worker(k: int) -> None:
-        for j in range(5):
-            uid = f"w{k}-{j}"
-            results[uid] = pool.put_trajectory_group(group(uid, 4))
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    accepted = [u for u, r in results.items() if r == "success"]
-    assert set(results.values()) == {"success", "re-rollout"}  # the lock did close
-    assert pool.drain_incomplete() == []  # no group was split
-    assert pool.num_ready() == 4 * len(accepted)
-    assert wsc.ready == ["default"] * len(accepted)
-    held = pool.get_batch(batch_size=4 * len(accepted)).values["uid"]
-    assert sorted(held) == sorted(u for u in accepted for _ in range(4))
-
-
-def test_missing_key_fails_and_is_reported() -> None:
+def test_malformed_trajectory_fails_naming_the_key_and_is_reported() -> None:
     pool, _ = make_pool()
     tracker = ActivityTracker({})
     pool.set_activity_tracker(ActivityTrackerProxy(tracker))
-    assert pool.put_trajectory_group([{"uid": "a"}, {"i": 1}]) == "fail"
-    assert pool.put_trajectory_group([{"uid": "a"}, {"uid": "a", "model_tag": "x"}]) == "fail"
+    assert pool.put_trajectory_group([traj("a"), {**traj("a"), "uid": None}]) == "fail"
+    assert pool.put_trajectory_group([traj("a"), traj("a", model_tag="x")]) == "fail"
+    no_ids = {k: v for k, v in traj("a").items() if k != "response_ids"}
+    assert pool.put_trajectory_group([no_ids, traj("a")]) == "fail"
     assert pool.is_empty()
-    assert tracker.get_error_health_status()["warning_level_count"] == 2
+    assert tracker.get_error_health_status()["warning_level_count"] == 3
     messages = [e.message for e in tracker.error_reporter.get_errors()]
-    assert "no grouping key 'uid'" in messages[0] and "several model tags" in messages[1]
+    assert "'uid'" in messages[0] and "several model tags" in messages[1]
+    assert "response_ids" in messages[2]
 
 
 def test_loaded_batch_finished_releases_the_tail() -> None:
@@ -129,7 +104,9 @@ def test_loaded_batch_finished_releases_the_tail() -> None:
     tracker = ActivityTracker({})
     tracker.register_module("rollout_0", object(), is_rollout_worker=True)
     pool = TrajectoryPool(
-        {"batch_size": 4, "group_size": 2, "check_batch_ready_function": "loaded_batch_finished"}
+        TrajectoryPoolConfig(
+            batch_size=4, group_size=2, check_batch_ready_function="loaded_batch_finished"
+        )
     )
     wsc = RecordingWeightSync()
     pool.set_activity_tracker(ActivityTrackerProxy(tracker))
@@ -140,28 +117,27 @@ def test_loaded_batch_finished_releases_the_tail() -> None:
     token = tracker.start("rollout_0", "step")
     assert not pool.is_batch_ready()  # a worker is still busy
     tracker.end(token)
-    pool.put_trajectory({"uid": "b"})  # an incomplete group stays out of the tail
-    assert pool.is_batch_ready() and wsc.ready == ["default"]
+    pool.put_trajectory(traj("b"))  # an incomplete group stays out of the tail
+    assert pool.is_batch_ready()
     batch = pool.get_batch()
     assert len(batch) == 2 and batch.values["uid"] == ["a", "a"]
+    assert wsc.calls == [("default", 1, 0)]  # need 0: the tail takes what is ready
     assert pool.get_batch() is None and [t["uid"] for t in pool.drain_incomplete()] == ["b"]
 
 
 def test_config_errors_name_the_key() -> None:
-    with pytest.raises(ValueError, match="batch_size"):
-        TrajectoryPool({"group_size": 2})
     with pytest.raises(ValueError, match="multiple of trajectory_pool.group_size"):
-        TrajectoryPool({"batch_size": 6, "group_size": 4})
+        TrajectoryPool(TrajectoryPoolConfig(batch_size=6, group_size=4))
     with pytest.raises(ValueError, match="check_batch_ready_function.*valid choices"):
-        TrajectoryPool({"batch_size": 4, "check_batch_ready_function": "soon"})
-    simple = TrajectoryPool({"batch_size": 3, "group_size": 4, "key_list": []})
+        TrajectoryPool(TrajectoryPoolConfig(batch_size=4, check_batch_ready_function="soon"))
+    simple = TrajectoryPool(TrajectoryPoolConfig(batch_size=3, group_size=4, key_list=[]))
     for i in range(3):
-        simple.put_trajectory({"i": i})
+        simple.put_trajectory(traj("x", i))
     assert simple.get_batch().values["i"] == [0, 1, 2]
 
 
 def test_train_batch_pool_fifo_per_model_tag() -> None:
-    pool = TrainBatchPool({"max_size": 2})
+    pool = TrainBatchPool(TrainBatchPoolConfig(max_size=2))
     b1 = Batch.from_trajectories([{"x": 1}], model_tag="default")
     b2 = Batch.from_trajectories([{"x": 2}], model_tag="default")
     b3 = Batch.from_trajectories([{"x": 3}], model_tag="critic")

@@ -1,0 +1,94 @@
+"""`ray.*` settings, shared by the Ray system and the data-parallel train worker.
+
+Kept apart from `ray_system` so that modules built inside actors (the
+data-parallel train client) need not import the system that builds them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from nexrl.config.schema import RayConfig
+from nexrl.distributed.resource_manager import GroupOptions
+from nexrl.types import NexRLRole
+
+DEFAULT_COLOCATION: dict[str, str | None] = {
+    NexRLRole.DATA_LOADER.value: "data",
+    NexRLRole.VALIDATE_DATALOADER.value: "data",
+    NexRLRole.TRAJECTORY_POOL.value: "data",
+    NexRLRole.TRAIN_BATCH_POOL.value: "data",
+    NexRLRole.VALIDATOR.value: "data",
+    NexRLRole.TRAIN_WORKER.value: "train",
+    NexRLRole.ALGORITHM_PROCESSOR.value: "train",
+    NexRLRole.ROLLOUT_WORKER.value: "rollout",
+    NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
+}
+IN_PROCESS_BACKENDS = ("builtin", "hf")
+
+
+@dataclass
+class RaySettings(RayConfig):
+    """The `ray.*` section (schema: `nexrl.config.schema.RayConfig`, docs/ray.md) with the
+    colocation layout resolved over `DEFAULT_COLOCATION`."""
+
+    colocation: dict[str, str | None] = field(default_factory=lambda: dict(DEFAULT_COLOCATION))
+
+    @classmethod
+    def from_config(cls, config: DictConfig) -> RaySettings:
+        section = OmegaConf.select(config, "ray", default=None)
+        raw = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(
+                f"unknown ray key(s) {unknown}; valid: {sorted(cls.__dataclass_fields__)}"
+            )
+        raw = {k: v for k, v in raw.items() if v is not None}
+        colocation = {**DEFAULT_COLOCATION, **(raw.pop("colocation", None) or {})}
+        bad = sorted(set(colocation) - {r.value for r in NexRLRole})
+        if bad:
+            raise ValueError(
+                f"ray.colocation: unknown role(s) {bad}; roles: {[r.value for r in NexRLRole]}"
+            )
+        return cls(**raw, colocation=colocation)
+
+    def group_options(self) -> dict[str, GroupOptions]:
+        names = {g for g in self.colocation.values() if g} | set(self.groups)
+        base = {"max_concurrency": self.max_concurrency, "max_restarts": self.max_restarts}
+        out = {}
+        for name in names:
+            opts = {**base, **(self.groups.get(name) or {})}
+            unknown = sorted(set(opts) - set(GroupOptions.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"ray.groups.{name}: unknown key(s) {unknown}")
+            out[name] = GroupOptions(**opts)
+        return out
+
+
+def init_ray(settings: RaySettings) -> bool:
+    """`ray.init` unless already connected; True when this call started/connected Ray."""
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"namespace": settings.namespace}
+    if settings.address:  # joining a cluster: its resources are set by `ray start`
+        kwargs["address"] = settings.address
+    else:
+        kwargs.update(
+            num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, include_dashboard=False
+        )
+    ray.init(**kwargs, runtime_env={"env_vars": actor_env(settings)})
+    return True
+
+
+def actor_env(settings: RaySettings) -> dict[str, str]:
+    """What actors inherit from the driver: NEXRL_* variables, the import path, timeouts."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("NEXRL_", "HF_"))}
+    paths = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["NEXRL_EXECUTE_TIMEOUT_S"] = str(settings.execute_timeout_s)
+    return env

@@ -1,0 +1,124 @@
+"""Named registries: config picks a component by name, never by if/elif.
+
+One mechanism for every kind of named component (rollout workers, processors,
+data loaders, rewards, advantage estimators, losses, KL estimators,
+aggregation modes, inference backends). A registry is an explicit dict;
+`get("pkg.module:attr")` also accepts an import path, the one escape hatch for
+user code, resolved by `import_object`. Every failure names the kind, the
+name, and the valid choices, in one format.
+
+Entries may be registered lazily as import paths, so that a registry listing
+the built-in workers does not import torch or the engine until one is chosen.
+
+`check_kwargs` exists because algorithm functions are called with keyword
+arguments straight from config: a misspelt key must fail loudly, naming the
+key and the function, instead of being swallowed by a `**kwargs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+
+class RegistryError(KeyError, ValueError):
+    """An unknown name or a bad import path (a KeyError and a ValueError, for callers
+    that catch either); `str()` is the plain message."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def import_object(path: str) -> Any:
+    """Resolve "pkg.module:attr" to the object it names (the current folder is importable,
+    so a user module next to the run works from the console script too)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise RegistryError(f"import path {path!r} must look like 'pkg.module:name'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(f"import path {path!r}: cannot import {module_name!r} ({exc})") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise RegistryError(f"import path {path!r}: module has no attribute {attr!r}") from exc
+
+
+class Registry:
+    """A name -> object dict with one error format for unknown names."""
+
+    def __init__(self, kind: str, config_key: str | None = None) -> None:
+        self.kind = kind
+        self.config_key = config_key
+        self._items: dict[str, Any] = {}
+
+    def register(self, name: str) -> Callable[[Any], Any]:
+        """Decorator: `@REGISTRY.register("name")` above a function or class."""
+
+        def deco(obj: Any) -> Any:
+            self.add(name, obj)
+            return obj
+
+        return deco
+
+    def add(self, name: str, obj: Any) -> None:
+        """Register `obj` (or an import path string "pkg.module:attr", resolved on use)."""
+        if name in self._items:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._items[name] = obj
+
+    def get(self, name: str) -> Any:
+        if name in self._items:
+            item = self._items[name]
+            if isinstance(item, str):  # lazy entry
+                item = self._items[name] = import_object(item)
+            return item
+        if ":" in name:
+            return import_object(name)
+        where = f"{self.config_key}: " if self.config_key else ""
+        raise RegistryError(
+            f"{where}unknown {self.kind} {name!r}; valid choices: {', '.join(self.names())} "
+            "or an import path 'package.module:name'"
+        )
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+
+def check_kwargs(
+    fn: Callable[..., Any],
+    kwargs: Mapping[str, Any],
+    what: str,
+    positional: Iterable[str] = (),
+) -> None:
+    """Raise TypeError naming `what` and every key of `kwargs` that `fn` does not accept.
+
+    `positional` lists the parameters the caller fills itself (e.g. `logprobs`,
+    `batch`); they are not valid config keys. A function with `**kwargs`
+    accepts everything (user code may want that).
+    """
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    skip = set(positional)
+    accepted = [
+        n
+        for n, p in params.items()
+        if n not in skip
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    bad = sorted(set(kwargs) - set(accepted))
+    if bad:
+        raise TypeError(
+            f"{what} got unexpected keyword argument(s) {bad}; it accepts {sorted(accepted)}"
+        )

@@ -1,0 +1,305 @@
+"""`TaskAdmission`: the one owner of a task's life on the rollout side.
+
+It hands tasks out (a training task only when the staleness budget admits one
+more group), takes them back with the step's result and routes them, and
+settles groups when the trajectory pool forms a batch. No other module puts a
+task back into a loader, so "where did my task go" has one answer:
+
+    acquire(tag, validating)        -> Task | None   admission, then the loader
+    complete(tag, task, result)                      route by StepResult
+    form_batch(tag, groups, need)   -> BatchPlan     staleness check, batch index
+    set_version(tag, v) / hold(tag, why, on)         from the weight-sync side
+
+Routing of `complete` (docs/rollout.md):
+
+    SUCCESS   group in the pool; the task is settled when its batch forms
+    REROLL    back to the front of its loader
+    ABORTED   back to the front (aborted samples are served before new data)
+    FAIL      back to the front up to `max_task_retries` times, then counted failed
+    DEFERRED  held as a tail-batch candidate; all are served together once
+              `tail_trigger` wait, or when the loader runs dry
+    DROPPED   counted (DAPO dynamic sampling)
+
+The ledger `tasks_in/train = tasks_trained + dropped + failed + queued` holds at
+any time because every hand-out and every route is counted here.
+
+Thread safety: one condition guards the state; loader calls happen outside it
+(in Ray mode they are calls to another actor). `wait_admission` sleeps on the
+condition, which every state change notifies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nexrl.execute import execute
+from nexrl.protocols import DataLoaderLike, TrackerLike
+from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
+from nexrl.types import ModelTag, StepResult, Task
+
+logger = logging.getLogger(__name__)
+
+_RELEASE_REASON = {
+    StepResult.REROLL: "re-rollout",
+    StepResult.ABORTED: "abort",
+    StepResult.DEFERRED: "tail_candidate",
+    StepResult.DROPPED: "dynamic_sampling",
+    StepResult.FAIL: "fail",
+}
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What the pool tells admission about one ready group."""
+
+    task_id: int | None
+    min_version: int | None
+
+
+@dataclass
+class BatchPlan:
+    """The answer to `form_batch`: which ready groups form the batch, which were stale."""
+
+    index: int | None = None
+    take: list[int] = field(default_factory=list)
+    stale: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _TagState:
+    ledger: AdmissionLedger
+    generating: int = 0
+    holds: set[str] = field(default_factory=set)
+    tail: list[Task] = field(default_factory=list)
+    pooled: dict[int, Task] = field(default_factory=dict)
+
+
+class TaskAdmission:
+    """Admission, routing and re-queueing of rollout tasks (see module docstring)."""
+
+    def __init__(self, policy: SamplePolicy, max_task_retries: int) -> None:
+        self.policy = policy
+        self.max_task_retries = max_task_retries
+        self._cond = threading.Condition(threading.RLock())
+        self._tags: dict[ModelTag, _TagState] = {}
+        self._ids = itertools.count()
+        self._loader: DataLoaderLike | None = None
+        self._validate_loader: DataLoaderLike | None = None
+        self._tracker: TrackerLike | None = None
+
+    def set_sources(
+        self,
+        loader: DataLoaderLike | None,
+        validate_loader: DataLoaderLike | None,
+        tracker: TrackerLike | None,
+    ) -> None:
+        self._loader, self._validate_loader, self._tracker = loader, validate_loader, tracker
+
+    def _state(self, tag: ModelTag) -> _TagState:
+        if tag not in self._tags:
+            self._tags[tag] = _TagState(AdmissionLedger(self.policy))
+        return self._tags[tag]
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if self._tracker is not None and n:
+            self._tracker.increment(name, n)
+
+    # -- hand out ------------------------------------------------------------------
+    def acquire(self, tag: ModelTag, validating: bool, wait_s: float = 0.0) -> Task | None:
+        """The next task: a validation task while validating, else an admitted training task."""
+        if validating:
+            return self._take(self._validate_loader, validate=True)
+        if not self._admit(tag, wait_s):
+            return None
+        task = self._take(self._loader, validate=False)
+        if task is None:
+            with self._cond:
+                self._release(tag, generating=True)
+            self.flush_tail(tag)  # the loader ran dry: candidates are served now
+        return task
+
+    def _admit(self, tag: ModelTag, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            state = self._state(tag)
+            while state.holds or not state.ledger.acquire():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            state.generating += 1
+            return True
+
+    def _take(self, loader: DataLoaderLike | None, validate: bool) -> Task | None:
+        item = None if loader is None else execute(loader.get_next_item)
+        if item is None:
+            return None
+        task = item if isinstance(item, Task) else Task(data=dict(item), is_validate=validate)
+        if task.task_id < 0:
+            task.task_id = next(self._ids)
+            if not validate:
+                self._count("tasks_in/train")
+        return task
+
+    # -- take back -------------------------------------------------------------------
+    def complete(self, tag: ModelTag, task: Task, result: StepResult) -> None:
+        """Route `task` after its step answered `result` (see the module docstring)."""
+        if task.is_validate:
+            self._route_validate(task, result)
+            return
+        with self._cond:
+            state = self._state(tag)
+            state.generating = max(0, state.generating - 1)
+            if result is StepResult.SUCCESS:
+                state.pooled[task.task_id] = task
+            else:
+                state.ledger.release()
+            self._cond.notify_all()
+        if result is StepResult.SUCCESS:
+            return
+        self._count(f"rollout/released/{_RELEASE_REASON[result]}")
+        if result in (StepResult.REROLL, StepResult.ABORTED):
+            self.requeue(task)
+        elif result is StepResult.FAIL:
+            self._retry_or_fail(task, "train")
+        elif result is StepResult.DEFERRED:
+            self._add_tail(tag, task)
+        else:
+            self._count("groups_dropped/dynamic_sampling")
+
+    def _route_validate(self, task: Task, result: StepResult) -> None:
+        if result in (StepResult.SUCCESS, StepResult.DROPPED):
+            return
+        if result is StepResult.FAIL:
+            self._retry_or_fail(task, "validate")
+        else:
+            self.requeue(task)
+
+    def _retry_or_fail(self, task: Task, kind: str) -> None:
+        if task.retries < self.max_task_retries:
+            task.retries += 1
+            self.requeue(task)
+            return
+        self._count(f"tasks_failed/{kind}")
+        logger.warning("task %s failed %d times; counted as failed", task.uid, task.retries + 1)
+
+    def requeue(self, task: Task) -> None:
+        """Back to the front of the task's loader: it is served before new data."""
+        loader = self._validate_loader if task.is_validate else self._loader
+        if loader is None:
+            raise RuntimeError(f"task {task.uid!r}: no loader to give it back to")
+        execute(loader.add_item_front, task)
+
+    def _release(self, tag: ModelTag, generating: bool) -> None:
+        state = self._state(tag)
+        state.ledger.release()
+        if generating:
+            state.generating = max(0, state.generating - 1)
+        self._cond.notify_all()
+
+    # -- tail batch ------------------------------------------------------------------
+    def _add_tail(self, tag: ModelTag, task: Task) -> None:
+        with self._cond:
+            pool = self._state(tag).tail
+            pool.append(task)
+            full = len(pool) >= self.policy.tail_trigger
+        self._count("tail_batch/candidates")
+        if full:
+            self.flush_tail(tag)
+
+    def flush_tail(self, tag: ModelTag) -> int:
+        """Serve every waiting candidate now, together, before new data; returns how many."""
+        with self._cond:
+            tasks, self._state(tag).tail = self._state(tag).tail, []
+        for task in reversed(tasks):  # front insertion: keep their order
+            task.tail = True
+            self.requeue(task)
+        if tasks:
+            self._count("tail_batch/served", len(tasks))
+            self._count("tail_batch/batches")
+        return len(tasks)
+
+    # -- batches ---------------------------------------------------------------------
+    def form_batch(self, tag: ModelTag, groups: list[GroupInfo], need: int) -> BatchPlan:
+        """Cut the next batch from the ready `groups` (in order): `need` groups, or all of
+        them when `need` is 0 (the tail). Stale groups are re-queued and listed in `stale`."""
+        stale_tasks: list[Task] = []
+        with self._cond:
+            state = self._state(tag)
+            index, bound = state.ledger.formed, self.policy.staleness_threshold
+            plan = BatchPlan()
+            for pos, g in enumerate(groups):
+                if g.min_version is not None and index - g.min_version > bound:
+                    plan.stale.append(pos)
+                    task = self._settle(state, g, pos)
+                    if task is not None:
+                        stale_tasks.append(task)
+            stale = set(plan.stale)
+            fresh = [p for p in range(len(groups)) if p not in stale]
+            if fresh and len(fresh) >= max(need, 1):
+                plan.take = fresh[:need] if need else fresh
+                # one task per group, or several trajectories of one task (no grouping)
+                tasks = {groups[p].task_id for p in plan.take if groups[p].task_id is not None}
+                plan.index = state.ledger.batch_formed(len(tasks) or len(plan.take))
+                for task_id in tasks:
+                    state.pooled.pop(task_id, None)
+            state.ledger.release(len(stale_tasks))
+            self._cond.notify_all()
+        for task in stale_tasks:
+            self.requeue(task)
+        self._count("staleness/dropped", len(stale_tasks))
+        return plan
+
+    def _settle(self, state: _TagState, group: GroupInfo, pos: int) -> Task | None:
+        """The stale group's task, taken off the pooled list (None: settled already, by
+        another trajectory of the same task when the pool does not group)."""
+        if group.task_id is None:
+            raise RuntimeError(
+                f"stale group at position {pos} carries no `task_id`: it was not handed out "
+                "by a rollout worker, so its task cannot be re-queued"
+            )
+        return state.pooled.pop(group.task_id, None)
+
+    # -- the weight-sync side -----------------------------------------------------------
+    def set_version(self, tag: ModelTag, version: int) -> None:
+        with self._cond:
+            self._state(tag).ledger.set_version(version)
+            self._cond.notify_all()
+
+    def set_formed(self, tag: ModelTag, formed: int) -> None:
+        """Resume: `formed` batches were trained before this run."""
+        with self._cond:
+            self._state(tag).ledger.formed = formed
+            self._cond.notify_all()
+
+    def hold(self, tag: ModelTag, reason: str, on: bool) -> None:
+        """Stop (on) or allow (off) training admission for `reason` (a push, a validation)."""
+        with self._cond:
+            holds = self._state(tag).holds
+            holds.add(reason) if on else holds.discard(reason)
+            self._cond.notify_all()
+
+    def wait_idle(self, tag: ModelTag) -> None:
+        """Until no admitted group of `tag` is generating (batch-async pushes wait for it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._state(tag).generating == 0)
+
+    def version(self, tag: ModelTag) -> int:
+        with self._cond:
+            return self._state(tag).ledger.version
+
+    def snapshot(self, tag: ModelTag) -> dict[str, int]:
+        """formed / version / outstanding / generating / tail candidates (tests, metrics)."""
+        with self._cond:
+            state = self._state(tag)
+            return {
+                "formed": state.ledger.formed,
+                "version": state.ledger.version,
+                "outstanding": state.ledger.outstanding,
+                "generating": state.generating,
+                "tail_candidates": len(state.tail),
+            }

@@ -1,0 +1,78 @@
+"""Builds the rollout side (task owner, loader, pool, worker) from real parts, for tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nexrl.config.schema import RolloutWorkerConfig, TrajectoryPoolConfig, WeightConfig
+from nexrl.data import InMemoryDataLoader
+from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+from nexrl.pools import TrajectoryPool
+from nexrl.rollout.base import RolloutContext
+from nexrl.rollout.workers import SingleTurnRolloutWorker
+from nexrl.weight_sync import WeightSyncController
+
+
+@dataclass
+class RolloutSide:
+    worker: SingleTurnRolloutWorker
+    wsc: WeightSyncController
+    pool: TrajectoryPool
+    loader: InMemoryDataLoader
+    tracker: ActivityTracker
+
+
+def context(**overrides: Any) -> RolloutContext:
+    base = dict(
+        prompt_key="prompt",
+        validate_temperature=0.0,
+        enable_partial_rollout=False,
+        tail_batch_candidate_steps=0,
+        dynamic_sampling=False,
+        system_prompt=None,
+    )
+    return RolloutContext(**{**base, **overrides})
+
+
+def build_rollout_side(
+    client: Any,
+    items: list[dict],
+    reward: Any,
+    *,
+    weight: WeightConfig | None = None,
+    worker: RolloutWorkerConfig | None = None,
+    ctx: RolloutContext | None = None,
+    gpb: int = 1,
+    worker_cls: type = SingleTurnRolloutWorker,
+) -> RolloutSide:
+    weight = weight or WeightConfig()
+    worker_cfg = worker or RolloutWorkerConfig(group_size=4, max_tokens=4, max_task_retries=1)
+    tracker = ActivityTracker({})
+    proxy = ActivityTrackerProxy(tracker)
+    wsc = WeightSyncController(
+        weight,
+        client,
+        "/tmp/unused",
+        groups_per_batch=gpb,
+        max_task_retries=worker_cfg.max_task_retries,
+    )
+    loader = InMemoryDataLoader({}, items=items)
+    pool = TrajectoryPool(
+        TrajectoryPoolConfig(
+            batch_size=gpb * worker_cfg.group_size, group_size=worker_cfg.group_size
+        )
+    )
+    ctx = ctx or context(
+        enable_partial_rollout=weight.enable_partial_rollout,
+        tail_batch_candidate_steps=weight.tail_batch_candidate_steps,
+    )
+    rollout = worker_cls(worker_cfg, client, ctx, reward)
+    for name, m in (("wsc", wsc), ("pool", pool), ("loader", loader), ("rollout_0", rollout)):
+        m.set_module_name(name)
+        m.set_activity_tracker(proxy)
+    tracker.register_module("rollout_0", rollout, is_rollout_worker=True)
+    pool.set_module_references(loader, wsc)
+    wsc.set_module_references(loader, pool)
+    rollout.set_module_references(pool, loader, wsc)
+    return RolloutSide(rollout, wsc, pool, loader, tracker)
