@@ -51,10 +51,19 @@ from omegaconf import DictConfig
 from nexrl.execute import execute
 from nexrl.monitoring import should_stop
 from nexrl.run_setup import find_latest_checkpoint, find_resume_checkpoint, resolve_run_config
-from nexrl.system import build_system
+from nexrl.system import LocalSystem, ModuleSystem
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
 
 logger = logging.getLogger(__name__)
+
+
+def build_system(cfg: DictConfig) -> ModuleSystem:
+    """The modules of a run, built for `cfg.launch_mode`."""
+    if cfg.launch_mode == "ray":
+        from nexrl.distributed.ray_system import RaySystem
+
+        return RaySystem(cfg)
+    return LocalSystem(cfg)
 
 
 class TrainingAborted(RuntimeError):
@@ -72,6 +81,7 @@ class NexRLController:
         self._last_validated_step: int | None = None
         self._monitor = self._config.runtime_monitor
         self._next_health_check = 0.0
+        self._next_error_check = 0.0
         self.final_metrics: dict[str, float] = {}
 
     # -- the run -----------------------------------------------------------------
@@ -90,7 +100,7 @@ class NexRLController:
                 self._wait_validate()
                 self._end_validate(self._tag)
             while not self._check_finish():
-                self._check_module_exceptions()
+                self._check_module_exceptions_periodically()
                 self._check_module_liveness_periodically()
                 if execute(s.weight_sync_controller.is_waiting_for_validation):
                     self._run_validate(self._tag)
@@ -126,6 +136,14 @@ class NexRLController:
                 f"{self._monitor.exception_handling.policy}): {health['message']}"
             )
         return True
+
+    def _check_module_exceptions_periodically(self) -> None:
+        """Every `runtime_monitor.exception_handling.check_interval` seconds."""
+        if time.monotonic() >= self._next_error_check:
+            self._next_error_check = (
+                time.monotonic() + self._monitor.exception_handling.check_interval
+            )
+            self._check_module_exceptions()
 
     def _check_module_liveness(self, timeout: float = 5.0) -> bool:
         if not execute(self.activity_tracker.check_module_liveness, timeout):

@@ -3,8 +3,8 @@
 `ModuleSystem` holds the modules of a run and wires them; `LocalSystem` builds
 every module in this process, `nexrl.distributed.ray_system.RaySystem` builds
 them as Ray actors and holds wrappers with the same methods. The controller
-cannot tell the two apart because it only talks to modules through `execute`.
-`build_system` picks one by `launch_mode`.
+cannot tell the two apart because it only talks to modules through `execute`;
+it picks one by `launch_mode` (`nexrl.controller.build_system`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,6 @@ from nexrl.builders import BUILDERS
 from nexrl.execute import execute
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.types import NexRLRole
-
-
-def build_system(cfg: DictConfig) -> ModuleSystem:
-    """The modules of a run, built for `cfg.launch_mode`."""
-    if cfg.launch_mode == "ray":
-        from nexrl.distributed.ray_system import RaySystem
-
-        return RaySystem(cfg)
-    return LocalSystem(cfg)
 
 
 class ModuleSystem:

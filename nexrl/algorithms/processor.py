@@ -21,10 +21,14 @@ from nexrl.algorithms.kl import apply_kl_penalty
 from nexrl.config.schema import AlgorithmConfig
 from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
+from nexrl.monitoring.loggers import sample_rows
 from nexrl.protocols import TrainBatchPoolLike, TrainWorkerLike, TrajectoryPoolLike
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
 
 logger = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 32  # completions a batch carries for the trackers' sample table (they keep
+# `logger.sample_rows` of them, every `logger.sample_every` steps)
 
 
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -229,5 +233,6 @@ class GRPOProcessor(BaseAlgorithmProcessor):
                 **shaping_metrics,
             },
             "uids": [t["uid"] for t in trajectories],
+            "samples": sample_rows(trajectories, None, limit=SAMPLE_ROWS),
         }
         self._put_batch(Batch(values, metadata), update_fn)

@@ -16,12 +16,9 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from nexrl.config.schema import CHOICES, RLTrainConfig
+from nexrl.config.suggest import ConfigError, check_known_keys, explain_unknown_key
 
 PACKAGE_CONFIG_DIR = Path(__file__).parent
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message that names the key."""
 
 
 def register_schema() -> None:
@@ -45,9 +42,11 @@ def load_config(
                 overrides=[*(overrides or []), "hydra.searchpath=[pkg://nexrl.config]"],
             )
     except Exception as exc:  # hydra wraps the useful message in the cause chain
-        raise ConfigError(_explain(exc)) from exc
+        msg = _explain(exc)
+        raise ConfigError(explain_unknown_key(msg) or msg) from exc
     finally:
         GlobalHydra.instance().clear()
+    check_known_keys(cfg)
     validate_choices(cfg)
     return cfg
 

@@ -246,6 +246,10 @@ class ResumeConfig:
     """`disable`, `auto` (newest `global_step_N` under the checkpoint folder) or `from_path`."""
     resume_path: str | None = None
     """Checkpoint folder for `from_path`."""
+    resumed: bool = False
+    """Set at start (not by you): true when `auto` continues an earlier run's folder."""
+    resumed_from: str | None = None
+    """Set at start (not by you): the checkpoint the run continues from."""
 
 
 @dataclass
@@ -256,6 +260,13 @@ class LoggerConfig:
     """Where file backends write; set to the run directory at start."""
     console_keys: list[str] | None = None
     """Metrics shown on the console line; null: step, reward, throughput, ETA."""
+    sample_every: int = 10
+    """Log a table of sample completions (prompt, response, reward, version, staleness)
+    every N train steps to the trackers (and `samples.jsonl`); 0: never."""
+    sample_rows: int = 8
+    """Rows in each sample table."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; null: a local file store in `<run dir>/mlruns`."""
 
 
 @dataclass

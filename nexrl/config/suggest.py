@@ -22,6 +22,11 @@ from typing import Any
 
 from nexrl.config.schema import RLTrainConfig
 
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key."""
+
+
 _HYDRA_KEY = re.compile(r"Could not override '([^']+)'|full_key: (\S+)")
 
 
@@ -99,8 +104,6 @@ def unknown_keys(cfg: Mapping[str, Any]) -> list[str]:
 
 def check_known_keys(cfg: Mapping[str, Any]) -> None:
     """Raise `ConfigError` naming the first unknown key and the likely intended one."""
-    from nexrl.config.loader import ConfigError
-
     bad = unknown_keys(cfg)
     if bad:
         raise ConfigError("; ".join(unknown_key_message(k) for k in bad))

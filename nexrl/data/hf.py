@@ -24,7 +24,6 @@ first N rows of the file).
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from collections.abc import Mapping
 from pathlib import Path

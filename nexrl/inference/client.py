@@ -6,7 +6,7 @@ Two transports behind one surface:
   every client with the same `model_tag` (`get_local_engine`);
 - remote (`backend: remote | vllm | sglang`): any OpenAI-compatible server,
   through the official `openai` SDK; weight updates, pause and abort go
-  through a small per-server HTTP adapter (`nexrl.inference.adapters`).
+  through a small per-server HTTP adapter (`nexrl.inference.remote`).
 
 The client adds retries (tenacity), weight-sync blocking and the result dict;
 it holds no algorithm logic. Results are token-in/token-out: `prompt_ids`,
@@ -26,6 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 
 from nexrl.config.schema import InferenceServiceConfig
 from nexrl.execute import execute
+from nexrl.inference.factory import LOCAL_BACKENDS, build_local_engine
 from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
@@ -34,16 +35,7 @@ from nexrl.inference.protocol import (
     WeightUpdateMeta,
 )
 
-LOCAL_BACKENDS = ("builtin", "hf")
 REMOTE_BACKENDS = ("remote", "vllm", "sglang")
-_ENGINE_OPTIONS = (
-    "max_batch_size",
-    "max_model_len",
-    "dtype",
-    "device",
-    "seed",
-    "emulated_step_latency_s",
-)
 _BLOCK_POLL_S = 0.02
 RECENT_SAMPLES = 256
 
@@ -57,24 +49,13 @@ def _cfg(config: Mapping, key: str, default: Any = None) -> Any:
 
 
 def create_engine(config: Mapping) -> InferenceEngine:
-    """A new in-process engine for `config` (`backend` builtin or hf)."""
-    if config.get("replica_actors"):  # Ray mode: engines in replica actors (docs/ray.md)
+    """A new in-process engine for `config` (`backend` builtin or hf), or, in Ray mode with
+    `replica_actors`, a balancer over the replica actors' engines (docs/ray.md)."""
+    if config.get("replica_actors"):
         from nexrl.inference.replicas import ReplicaBalancer
 
         return ReplicaBalancer.connect(config)
-    backend = _cfg(config, "backend", "builtin")
-    options = {k: config[k] for k in _ENGINE_OPTIONS if config.get(k) is not None}
-    model = _cfg(config, "model")
-    if backend == "hf":
-        from nexrl.inference.hf_engine import HFEngine
-
-        hf_opts = {k: v for k, v in options.items() if k in ("dtype", "device", "max_model_len")}
-        return HFEngine(model, **hf_opts)
-    if backend == "builtin":
-        from nexrl.inference.engine import build_engine
-
-        return build_engine(model, **options)
-    raise ValueError(f"backend {backend!r} is not in-process; choose one of {LOCAL_BACKENDS}")
+    return build_local_engine(config)
 
 
 def get_local_engine(config: Mapping) -> InferenceEngine:
@@ -182,7 +163,7 @@ class LLMServiceClient:
     def version(self) -> int:
         if self._engine is not None:
             return self._engine.version
-        return self._remote.version()
+        return self._remote.version
 
     @property
     def tokenizer(self):

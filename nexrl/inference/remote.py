@@ -18,12 +18,18 @@ Control (weight update, pause, resume, abort) is server specific:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from nexrl.inference.protocol import WeightUpdateMeta
+from nexrl.inference.protocol import (
+    GenerationOutput,
+    GenerationRequest,
+    GenerationResponse,
+    WeightUpdateMeta,
+)
 
 _CONTROL = {
     "remote": {
@@ -43,7 +49,13 @@ _CONTROL = {
 
 
 class RemoteBackend:
-    """OpenAI-SDK generation and HTTP control of one server (`config['url']`)."""
+    """OpenAI-SDK generation and HTTP control of one server (`config['url']`).
+
+    It is an `InferenceEngine` (token ids in, token ids, logprobs and versions out:
+    `generate` / `agenerate`), and also gives the client's result dicts
+    (`completion`, `chat`). Control endpoints use `admin_key` when the server has one
+    (`nexrl serve --admin-key`), else `api_key`.
+    """
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         import openai
@@ -58,8 +70,9 @@ class RemoteBackend:
         self.client = openai.OpenAI(
             base_url=self.base + "/v1", api_key=self.api_key, timeout=timeout, max_retries=0
         )
+        control_key = config.get("admin_key") or self.api_key
         self.http = httpx.Client(
-            base_url=self.base, timeout=timeout, headers={"Authorization": f"Bearer {self.api_key}"}
+            base_url=self.base, timeout=timeout, headers={"Authorization": f"Bearer {control_key}"}
         )
         self.model_name = config.get("served_model_name") or None
         self._tokenizer = None
@@ -84,11 +97,55 @@ class RemoteBackend:
             )
         return self._tokenizer
 
+    @property
     def version(self) -> int:
         """The server's weight version where it reports one (/health), else the last pushed."""
         if self.kind == "remote":
             return int(self.http.get("/health").json().get("weight_version", self._version))
         return self._version
+
+    def generate(self, request: GenerationRequest) -> GenerationResponse:
+        """`InferenceEngine.generate`: the request's token ids through /v1/completions."""
+        sp = request.sampling
+        kwargs = {
+            "max_tokens": sp.max_new_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "n": sp.n,
+            "seed": sp.seed,
+            "stop": sp.stop or None,
+            "stop_token_ids": sp.stop_token_ids or None,
+            "ignore_eos": sp.ignore_eos or None,
+            "rid": request.rid,
+        }
+        out = self.completion(
+            None, list(request.input_ids), {k: v for k, v in kwargs.items() if v is not None}
+        )
+        outputs = [
+            GenerationOutput(
+                output_ids=c["response_ids"],
+                output_logprobs=c["response_logprobs"],
+                output_versions=c["token_versions"],
+                finish_reason=c["finish_reason"],
+                text=c["response"],
+            )
+            for c in out["choices"]
+        ]
+        return GenerationResponse(list(out["prompt_ids"]), outputs, rid=request.rid)
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
+        return await asyncio.to_thread(self.generate, request)
+
+    def health(self) -> bool:
+        try:
+            return self.http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def shutdown(self) -> None:
+        self.http.close()
+        self.client.close()
 
     def _params(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         std = {

@@ -56,9 +56,9 @@ class InferenceReplica:
     """One engine in one actor (create with `ray.remote(InferenceReplica).options(...)`)."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        from nexrl.inference.client import create_engine
+        from nexrl.inference.factory import build_local_engine
 
-        self.engine = create_engine({k: v for k, v in config.items() if k != "replica_actors"})
+        self.engine = build_local_engine(config)
         self._served = 0
 
     def served(self) -> int:

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from nexrl.execute import execute
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
 from nexrl.monitoring.loggers import ExperimentLogger
@@ -45,6 +47,9 @@ def build_experiment_logger(config: Any) -> ExperimentLogger:
     """From the root config: `logger.{backend,run_dir,console_keys}`, project/experiment
     names and `train_worker.total_train_steps` (the console's ETA)."""
     keys = _get(config, "logger.console_keys")
+    run_config = (
+        OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else None
+    )
     return ExperimentLogger(
         backends=_get(config, "logger.backend"),
         run_dir=_get(config, "logger.run_dir"),
@@ -52,6 +57,10 @@ def build_experiment_logger(config: Any) -> ExperimentLogger:
         experiment_name=_get(config, "experiment_name"),
         total_steps=_get(config, "train_worker.total_train_steps"),
         console_keys=list(keys) if keys is not None else None,
+        run_config=run_config,
+        sample_every=_get(config, "logger.sample_every", 10),
+        sample_rows=_get(config, "logger.sample_rows", 8),
+        tracking_uri=_get(config, "logger.mlflow_tracking_uri"),
     )
 
 

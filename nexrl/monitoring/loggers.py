@@ -157,6 +157,26 @@ class TrackerIds:
         self.path.write_text(json.dumps(ids, indent=1) + "\n")
 
 
+def resumed_step(run_config: Mapping[str, Any]) -> int | None:
+    """The step a resumed run continues from (`resume.resumed_from` = `.../global_step_N`)."""
+    resume = run_config.get("resume") or {}
+    path = resume.get("resumed_from") if resume.get("resumed") else None
+    if not path:
+        return None
+    return int(Path(path).name.rsplit("_", 1)[1])
+
+
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """Rewrite a jsonl file with only its lines whose `step` is <= `step` (atomically)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class JsonlBackend:
     """Appends one JSON object per call to `<run_dir>/metrics.jsonl`, flushed per line.
 
@@ -164,10 +184,16 @@ class JsonlBackend:
     Both files are opened for append, so a resumed run continues them.
     """
 
-    def __init__(self, run_dir: str | Path, **_: Any) -> None:
+    def __init__(
+        self, run_dir: str | Path, run_config: Mapping[str, Any] | None = None, **_: Any
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        step = resumed_step(run_config or {})
+        if step is not None:  # the killed run logged steps past its checkpoint: drop them
+            for path in (self.path, self.samples_path):
+                keep_steps_up_to(path, step)
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, data: Mapping[str, Any], step: int) -> None:

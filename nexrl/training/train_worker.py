@@ -22,7 +22,9 @@ from typing import Any
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
+from nexrl.monitoring.loggers import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
+from nexrl.training.checkpoint import atomic_directory
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
 
 logger = logging.getLogger(__name__)
@@ -202,6 +204,10 @@ class TrainWorker(LoopModule):
             "throughput/tokens_per_s": tokens / elapsed,
         }
         self._activity_tracker.experiment_logger_post(backend="metrics", data=data, step=step)
+        if rows := batch.metadata.get("samples"):
+            self._activity_tracker.experiment_logger_post(
+                backend="samples", rows=with_staleness(rows, step - 1), step=step
+            )
 
     def compute_ref_logprobs(self, batch: Batch) -> Any:
         """(B, T) reference-model logprobs, or None without a reference model."""
@@ -213,13 +219,16 @@ class TrainWorker(LoopModule):
 
     # -- checkpoints ---------------------------------------------------------------
     def save_checkpoint(self, step: int | None = None) -> str:
+        """`global_step_N`: engine files and the run state, published as one atomic folder
+        (a crash mid-save leaves no `global_step_N`; docs/reliability.md)."""
         step = self._step if step is None else step
         path = self._checkpoint_path / f"global_step_{step}"
-        self._client.save_checkpoint(str(path))
         state: dict[str, Any] = {"step": step}
         if self._dataloader is not None and hasattr(self._dataloader, "state_dict"):
             state["dataloader"] = execute(self._dataloader.state_dict)
-        (path / STATE_FILE).write_text(json.dumps(state))
+        with atomic_directory(path) as staging:
+            self._client.save_checkpoint(str(staging))
+            (staging / STATE_FILE).write_text(json.dumps(state))
         if self._remove_previous:
             for old in self._checkpoint_path.glob("global_step_*"):
                 if old != path and old.is_dir():
