@@ -74,7 +74,51 @@ def write_shift_task(
     return train_path, val_path
 
 
-TASK_WRITERS: dict[str, TaskWriter] = {"shift_letters": write_shift_task}
+ARITHMETIC_INSTRUCTION = "Answer with the number only."
+
+
+def arithmetic_row(a: int, b: int, op: str) -> dict:
+    """One chat-prompt row: "What is a op b?" with the integer answer."""
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    question = f"What is {a} {op} {b}? {ARITHMETIC_INSTRUCTION}"
+    return {"prompt": [{"role": "user", "content": question}], "answer": str(value)}
+
+
+def write_arithmetic_task(
+    directory: str | os.PathLike,
+    n_train: int = 4096,
+    n_val: int = 128,
+    seed: int = 0,
+    digits: int = 2,
+    ops: str = "+-",
+) -> tuple[Path, Path]:
+    """Integer arithmetic as chat prompts (the real-model recipe, docs/models.md): operands
+    of `digits` digits, operators from `ops`; train and held-out validation questions are
+    disjoint."""
+    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    space = (high - low + 1) ** 2 * len(ops)
+    if n_train + n_val > space:
+        raise ValueError(f"n_train + n_val = {n_train + n_val} exceeds the {space} questions")
+    train_path, val_path = _cached_paths(
+        directory, "arithmetic", n_train=n_train, n_val=n_val, seed=seed, digits=digits, ops=ops
+    )
+    if train_path.exists() and val_path.exists():
+        return train_path, val_path
+    size = high - low + 1
+    codes = random.Random(seed).sample(range(space), n_train + n_val)  # distinct questions
+    rows = []
+    for code in codes:
+        op, rest = ops[code % len(ops)], code // len(ops)
+        rows.append(arithmetic_row(low + rest % size, low + rest // size, op))
+    _write_jsonl(train_path, rows[:n_train])
+    _write_jsonl(val_path, rows[n_train:])
+    return train_path, val_path
+
+
+TASK_WRITERS: dict[str, TaskWriter] = {
+    "shift_letters": write_shift_task,
+    "arithmetic": write_arithmetic_task,
+}
 
 
 def write_task(name: str, directory: str | os.PathLike, **kwargs: object) -> tuple[Path, Path]:

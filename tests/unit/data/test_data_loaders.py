@@ -196,3 +196,21 @@ def test_struct_dictconfig_sections_are_accepted(five: Path) -> None:
     mem = OmegaConf.create({"type": "memory", "items": [{"prompt": "a", "meta": {"k": 1}}]})
     OmegaConf.set_struct(mem, True)
     assert create_dataloader(mem).get_next_item()["meta"] == {"k": 1}
+
+
+def test_arithmetic_task_is_chat_prompts_with_disjoint_held_out_questions(tmp_path):
+    import json
+
+    from nexrl.data.tasks import write_task
+
+    train, val = write_task("arithmetic", tmp_path, n_train=200, n_val=50, seed=1)
+    rows = [json.loads(x) for x in train.read_text().splitlines()]
+    held = [json.loads(x) for x in val.read_text().splitlines()]
+    assert len(rows) == 200 and len(held) == 50
+    questions = {r["prompt"][0]["content"] for r in rows}
+    assert not questions & {r["prompt"][0]["content"] for r in held}
+    for row in rows + held:
+        (msg,) = row["prompt"]
+        a, op, b = msg["content"].split("?")[0].removeprefix("What is ").split()
+        assert msg["role"] == "user" and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+        assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
