@@ -1,0 +1,229 @@
+"""`AgentRolloutWorker`: a `RolloutWorkflow` inside the nexrl pipeline (seed 000's agent worker).
+
+For each task the worker runs `group_size` episodes of the configured workflow
+concurrently (the GRPO group) on one event loop and hands their trajectories
+on as one group. The engine the workflow talks to is a `ClientEngine`: the
+worker's `LLMServiceClient` behind the `InferenceEngine` interface, so every
+turn goes through the weight-sync block, the retries and the in-process or
+remote backend of the run, and every policy token carries the weight version
+that sampled it (a push between two turns shows in `token_versions`).
+
+A turn aborted by a weight push is continued from where it stopped once the
+new weights serve when `weight.enable_partial_rollout` is on (the turn's
+tokens then carry both versions); otherwise the episode is ABORTED and the
+task goes back to the front of its loader. An episode answering None drops
+the task (StepResult.DROPPED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import replace
+from typing import Any
+
+from nexrl.config.schema import RolloutWorkerConfig
+from nexrl.execute import execute
+from nexrl.inference.protocol import (
+    GenerationOutput,
+    GenerationRequest,
+    GenerationResponse,
+    WeightUpdateMeta,
+)
+from nexrl.registry import import_object
+from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
+from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories
+from nexrl.types import StepResult, Trajectory
+
+DEFAULT_WORKFLOW = "nexrl.agents.workflows:ToolWorkflow"
+_PUSH_POLL_S = 0.001
+
+
+class ClientEngine:
+    """An `InferenceEngine` over an `LLMServiceClient` (see the module docstring).
+
+    continue_aborted: continue a turn a weight push aborted (partial rollout within a turn).
+    wait_for_push: blocks until the new weights serve (the worker's weight-sync check).
+    temperature: overrides every request's temperature (validation rollouts are greedy).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        continue_aborted: bool = False,
+        wait_for_push: Any = None,
+        temperature: float | None = None,
+    ) -> None:
+        self.client = client
+        self.continue_aborted = continue_aborted
+        self._wait_for_push = wait_for_push
+        self.temperature = temperature
+
+    @property
+    def version(self) -> int:
+        return self.client.version
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.client.tokenizer
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
+        return await asyncio.to_thread(self.generate, request)
+
+    def generate(self, request: GenerationRequest) -> GenerationResponse:
+        sampling = request.sampling
+        if self.temperature is not None:
+            sampling = replace(sampling, temperature=self.temperature)
+        result = self.client.completion(prompt_ids=list(request.input_ids), **_kwargs(sampling))
+        outputs = [_output(c) for c in result["choices"]]
+        if self.continue_aborted:
+            outputs = [self._finish(request.input_ids, o, sampling) for o in outputs]
+        return GenerationResponse(list(result["prompt_ids"]), outputs, rid=request.rid)
+
+    def _finish(self, prompt: list[int], out: GenerationOutput, sampling: Any) -> GenerationOutput:
+        """Continue an aborted sample with the new weights until it really finishes."""
+        while out.finish_reason == "abort" and len(out.output_ids) < sampling.max_new_tokens:
+            if self._wait_for_push is not None:
+                self._wait_for_push()
+            rest = replace(
+                sampling, n=1, max_new_tokens=sampling.max_new_tokens - len(out.output_ids)
+            )
+            more = self.client.completion(prompt_ids=[*prompt, *out.output_ids], **_kwargs(rest))
+            nxt = _output(more)
+            out = GenerationOutput(
+                out.output_ids + nxt.output_ids,
+                out.output_logprobs + nxt.output_logprobs,
+                out.output_versions + nxt.output_versions,
+                nxt.finish_reason,
+                out.text + nxt.text,
+            )
+        return out
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        self.client.update_weights(meta)
+
+    def pause(self) -> None:
+        self.client.pause()
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    def abort(self, rid: str | None = None) -> None:
+        self.client.abort(rid)
+
+    def health(self) -> bool:
+        target = getattr(self.client, "_engine", None) or getattr(self.client, "_remote", None)
+        return bool(target.health()) if target is not None else True
+
+    def shutdown(self) -> None:
+        """The client's engine is shared by the run: it is not this adapter's to stop."""
+
+
+def _kwargs(sampling: Any) -> dict[str, Any]:
+    out = {
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "n": sampling.n,
+        "seed": sampling.seed,
+        "stop": sampling.stop or None,
+        "stop_token_ids": sampling.stop_token_ids or None,
+        "ignore_eos": sampling.ignore_eos or None,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _output(choice: dict[str, Any]) -> GenerationOutput:
+    ids = list(choice["response_ids"])
+    versions = list(choice.get("token_versions") or [])
+    return GenerationOutput(
+        ids,
+        list(choice["response_logprobs"]),
+        versions,
+        choice["finish_reason"],
+        choice["response"],
+    )
+
+
+def build_workflow(config: RolloutWorkerConfig, reward_fn: RewardFn | None) -> RolloutWorkflow:
+    """The configured workflow: `rollout_worker.workflow` (an import path; empty: the built-in
+    tool workflow) called with `rollout_worker.workflow_kwargs`, plus `config` (this section)
+    and `reward_fn` when its constructor takes parameters with those names."""
+    spec = config.workflow or DEFAULT_WORKFLOW
+    try:
+        cls = import_object(spec)
+    except Exception as exc:
+        raise ValueError(f"rollout_worker.workflow={spec!r}: {exc}") from exc
+    kwargs = dict(config.workflow_kwargs or {})
+    params = inspect.signature(cls).parameters
+    if "config" in params:
+        kwargs.setdefault("config", config)
+    if "reward_fn" in params:
+        kwargs.setdefault("reward_fn", reward_fn)
+    try:
+        workflow = cls(**kwargs)
+    except TypeError as exc:
+        raise TypeError(f"rollout_worker.workflow={spec!r}: {exc} (workflow_kwargs)") from exc
+    if not callable(getattr(workflow, "arun_episode", None)):
+        raise TypeError(f"rollout_worker.workflow={spec!r} has no async arun_episode(engine, data)")
+    return workflow
+
+
+class AgentRolloutWorker(BaseRolloutWorker):
+    """Runs `group_size` episodes of a workflow per task (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RolloutWorkerConfig,
+        llm_client: Any,
+        context: RolloutContext,
+        reward_fn: RewardFn | None = None,
+        workflow: RolloutWorkflow | None = None,
+    ) -> None:
+        super().__init__(config, llm_client, context, reward_fn)
+        self.workflow = workflow or build_workflow(config, reward_fn)
+
+    def engine(self, validate: bool) -> ClientEngine:
+        return ClientEngine(
+            self._llm_client,
+            continue_aborted=validate or self._context.enable_partial_rollout,
+            wait_for_push=self._block_until_pushed,
+            temperature=self._context.validate_temperature if validate else None,
+        )
+
+    def step(self, task: dict[str, Any]) -> StepResult | str:
+        current = self.current_task
+        validate = current is not None and current.is_validate
+        n = 1 if validate else self._config.group_size
+        episodes = asyncio.run(self._run_group(task, n, self.engine(validate)))
+        if any(e is None for e in episodes):
+            return StepResult.DROPPED
+        group = [t for e in episodes for t in e]
+        if not group:
+            return StepResult.DROPPED
+        if any(t.get("finish_reason") == "abort" for t in group):
+            if current is not None:
+                current.aborts += 1
+            self._activity_tracker.increment("rollout/aborted_groups")
+            return StepResult.ABORTED
+        for t in group:
+            t.setdefault("model_tag", self._model_tag())
+            t.setdefault("loss_mask", [1] * len(t.get("response_ids") or []))
+        return self._put_trajectory_group(group)
+
+    async def _run_group(
+        self, row: dict[str, Any], n: int, engine: ClientEngine
+    ) -> list[list[Trajectory] | None]:
+        runs = [self.workflow.arun_episode(engine, dict(row)) for _ in range(n)]
+        results = await asyncio.gather(*runs)
+        return [as_trajectories(r, engine.tokenizer) for r in results]
+
+    def _block_until_pushed(self) -> None:
+        wsc, tag = self._weight_sync_controller, self._model_tag()
+        if wsc is None:
+            return
+        while execute(wsc.check_rollout_service_status, tag) == "block":
+            time.sleep(_PUSH_POLL_S)

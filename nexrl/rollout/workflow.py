@@ -1,0 +1,235 @@
+"""Rollout workflows and the executor that runs them (AReaL-lite's API, seed 004).
+
+A `RolloutWorkflow` is the user's episode: `async arun_episode(engine, data)`
+talks to an `InferenceEngine` (token ids in, ids + logprobs + per-token
+versions out) as many turns as it likes and returns one trajectory, several
+(a split episode), or None to reject the sample.
+
+`WorkflowExecutor` wraps any `InferenceEngine` (the built-in engine, a
+`RemoteBackend` against `nexrl serve`, or the pipeline's `ClientEngine`) and
+adds the seed's batch API: `submit` / `wait` / `rollout` / `prepare_batch`.
+Episodes run concurrently on one event loop in a background thread, so a
+synchronous training script can drive them; the engine's own `agenerate`,
+`update_weights` and `check_health` pass through.
+
+Names that differ from the seed: the request is nexrl's `GenerationRequest`
+(token ids; the seed's `LLMRequest` carries text), `rollout` is the seed's
+`rollout_batch`, and results are lists of trajectory dicts, not a TensorDict
+(the algorithm processor pads them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from nexrl.agents.tokens import TokenSample
+from nexrl.inference.protocol import (
+    GenerationRequest,
+    GenerationResponse,
+    InferenceEngine,
+    WeightUpdateMeta,
+)
+from nexrl.types import Trajectory
+
+EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
+
+
+class RolloutWorkflow(ABC):
+    """One episode of interaction with the policy (subclass and implement `arun_episode`)."""
+
+    @abstractmethod
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> EpisodeResult:
+        """Run one episode for the data row; None rejects it (nothing is trained)."""
+
+
+def sample_to_trajectory(sample: TokenSample, tokenizer: Any = None, **extra: Any) -> Trajectory:
+    """A `TokenSample` (a whole multi-turn sequence with its loss mask) as a pool trajectory:
+    the tokens before the first policy token are the prompt, the rest the response (tool
+    and user tokens inside it keep `loss_mask` 0)."""
+    cut = sample.prompt_len
+    policy_versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
+    traj: Trajectory = {
+        "prompt_ids": sample.input_ids[:cut],
+        "response_ids": sample.input_ids[cut:],
+        "response_logprobs": sample.logprobs[cut:],
+        "loss_mask": sample.loss_mask[cut:],
+        "token_versions": sample.versions[cut:],
+        # the oldest weights that sampled a policy token: staleness is counted from it
+        "model_version": min(policy_versions) if policy_versions else -1,
+        "finish_reason": "stop",
+    }
+    if tokenizer is not None:
+        traj["response"] = tokenizer.decode(traj["response_ids"], skip_special_tokens=True)
+    traj.update(extra)
+    return traj
+
+
+def as_trajectories(result: EpisodeResult, tokenizer: Any = None) -> list[Trajectory] | None:
+    """An episode's answer as a list of trajectory dicts (None stays None: rejected)."""
+    if result is None:
+        return None
+    items = result if isinstance(result, list) else [result]
+    out = []
+    for item in items:
+        if isinstance(item, TokenSample):
+            out.append(sample_to_trajectory(item, tokenizer))
+        elif isinstance(item, dict):
+            out.append(dict(item))
+        else:
+            raise TypeError(
+                f"arun_episode returned {type(item).__name__}; expected a trajectory dict, "
+                "a TokenSample, a list of them, or None"
+            )
+    return out
+
+
+class WorkflowExecutor:
+    """The seed's rollout API on top of any `InferenceEngine` (see the module docstring).
+
+    max_concurrent: episodes in flight at once (`prepare_batch` keeps this many running).
+    """
+
+    def __init__(self, engine: InferenceEngine, max_concurrent: int = 64) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self.engine = engine
+        self.max_concurrent = max_concurrent
+        self._results: queue.Queue[list[Trajectory] | None | BaseException] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    # -- the engine's own API ----------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
+        return await self.engine.agenerate(request)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        self.engine.update_weights(meta)
+
+    def check_health(self) -> bool:
+        """The seed's name for `InferenceEngine.health`."""
+        return self.engine.health()
+
+    # -- batch API -------------------------------------------------------------------------
+    def submit(self, data: dict[str, Any], workflow: RolloutWorkflow) -> Future:
+        """Start one episode now; its result is collected by `wait`."""
+        with self._lock:
+            self._pending += 1
+        coro = self._episode(dict(data), workflow)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _episode(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
+        try:
+            result = await workflow.arun_episode(self.engine, data)
+            tokenizer = getattr(self.engine, "tokenizer", None)
+            self._results.put(as_trajectories(result, tokenizer))
+        except BaseException as exc:  # handed to the caller of wait()
+            self._results.put(exc)
+
+    def wait(
+        self,
+        count: int,
+        timeout: float | None = None,
+        should_accept: Callable[[list[Trajectory]], bool] | None = None,
+    ) -> list[Trajectory]:
+        """The trajectories of `count` accepted episodes (rejected ones do not count);
+        TimeoutError if they are not done within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        accepted: list[Trajectory] = []
+        done = 0
+        while done < count:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = self._results.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"{done} of {count} episodes finished in {timeout}s") from None
+            with self._lock:
+                self._pending -= 1
+            if isinstance(item, BaseException):
+                raise item
+            if item is None or (should_accept is not None and not should_accept(item)):
+                continue
+            accepted.extend(item)
+            done += 1
+        return accepted
+
+    def rollout(
+        self, data: Iterable[dict[str, Any]], workflow: RolloutWorkflow
+    ) -> list[Trajectory]:
+        """Run one episode per row and wait for all (the seed's `rollout_batch`); rejected
+        episodes are left out."""
+        rows = list(data)
+        for row in rows:
+            self.submit(row, workflow)
+        out: list[Trajectory] = []
+        for _ in rows:
+            out.extend(self._wait_any())
+        return out
+
+    def _wait_any(self) -> list[Trajectory]:
+        item = self._results.get()
+        with self._lock:
+            self._pending -= 1
+        if isinstance(item, BaseException):
+            raise item
+        return item or []
+
+    def prepare_batch(
+        self,
+        dataloader: Iterable[dict[str, Any]] | Iterable[list[dict[str, Any]]],
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[list[Trajectory]], bool] | None = None,
+        batch_size: int | None = None,
+    ) -> list[Trajectory]:
+        """Asynchronous rollout with filtering: keep up to `max_concurrent` episodes running
+        from `dataloader` (rows, or batches of rows) until `batch_size` episodes (default:
+        the dataloader's `batch_size`) are accepted. Episodes still running when the batch
+        is full count toward the next call (AReaL-lite's overlap of rollout and training)."""
+        size = batch_size or getattr(dataloader, "batch_size", None)
+        if not size:
+            raise ValueError("prepare_batch needs batch_size (the dataloader has none)")
+        rows = self._rows(dataloader)
+        accepted: list[Trajectory] = []
+        done = 0
+        while done < size:
+            while self._pending < self.max_concurrent:
+                row = next(rows, None)
+                if row is None:
+                    break
+                self.submit(row, workflow)
+            if self._pending == 0:
+                raise ValueError(f"the dataloader ran out after {done} of {size} episodes")
+            item = self._wait_any()
+            if item and (should_accept is None or should_accept(item)):
+                accepted.extend(item)
+                done += 1
+        return accepted
+
+    def _rows(self, dataloader: Iterable[Any]) -> Iterator[dict[str, Any]]:
+        if not hasattr(self, "_row_iter") or self._row_source is not dataloader:
+            self._row_source = dataloader
+            self._row_iter = self._flatten(dataloader)
+        return self._row_iter
+
+    @staticmethod
+    def _flatten(dataloader: Iterable[Any]) -> Iterator[dict[str, Any]]:
+        for item in dataloader:
+            yield from (item if isinstance(item, list) else [item])
+
+    def shutdown(self) -> None:
+        """Stop the executor's event loop (running episodes are cancelled)."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
