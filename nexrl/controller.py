@@ -170,11 +170,20 @@ class NexRLController:
         state = execute(s.train_workers[0].load_checkpoint, path)
         if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
             execute(s.dataloader.load_state_dict, state["dataloader"])
+        # tasks handed out but not trained at the save go first (exactly once)
+        pending = state.get("pending_tasks") or []
+        if pending:
+            execute(s.weight_sync_controller.restore_tasks, pending)
         execute(s.train_workers[0].export_sync_weights)
         execute(s.weight_sync_controller.resume_from, self._tag, state["step"])
         execute(self.activity_tracker.set_training_step, state["step"])
         self._last_validated_step = None
-        logger.info("resumed from %s at step %d", path, state["step"])
+        logger.info(
+            "resumed from %s at step %d (%d pending tasks re-queued)",
+            path,
+            state["step"],
+            len(pending),
+        )
 
     def _load_resume_checkpoint(self) -> str | None:
         resume = self._config.resume

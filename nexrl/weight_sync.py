@@ -125,7 +125,9 @@ class WeightSyncController(NexRLModule):
         """The trainer wrote new weights to the sync buffer: push them, maybe validate."""
         with self._lock:
             self._trained[model_tag] = self._trained.get(model_tag, 0) + 1
-            due = self._trained[model_tag] % self.policy.sync_every == 0
+            trained = self._trained[model_tag]
+            due = trained % self.policy.sync_every == 0
+        self.admission.mark_trained(model_tag, trained)  # batch trained - 1 is done
         if not due:
             return
         if self._sync_mode == "sync":
@@ -147,6 +149,15 @@ class WeightSyncController(NexRLModule):
             self._trained[model_tag] = step
         self.admission.set_formed(model_tag, step)
         self.sync_weight_to_rollout_service(model_tag)
+
+    def checkpoint_tasks(self, model_tag: ModelTag, trained: int) -> dict[str, Any]:
+        """For the checkpoint of step `trained`: the loader state and the pending tasks,
+        taken together (`TaskAdmission.checkpoint_state`)."""
+        return self.admission.checkpoint_state(model_tag, trained)
+
+    def restore_tasks(self, pending: list[dict[str, Any]]) -> int:
+        """Resume: a checkpoint's pending tasks go to the front of the loader."""
+        return self.admission.restore(pending)
 
     def _wait_validation_done(self) -> None:
         """Async modes: no push while a validation runs (it measures one version)."""

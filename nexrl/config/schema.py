@@ -145,6 +145,10 @@ class TrainWorkerConfig:
 
 @dataclass
 class WeightConfig:
+    log_trained_uids: bool = False
+    """Append `{"step", "uids"}` per train step to `trained.jsonl` beside the checkpoint
+    folder, written before that step's checkpoint: an audit of which data items each
+    step trained (the exactly-once test reads it; docs/reliability.md)."""
     type: str = "default"
     """Controller type."""
     sync_mode: str = "sync"

@@ -22,6 +22,39 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from nexrl.module import NexRLModule
+from nexrl.types import Task
+
+
+def item_to_state(item: dict[str, Any] | Task) -> dict[str, Any]:
+    """A queued row or `Task` as JSON for a checkpoint.
+
+    A Task keeps the bookkeeping that survives a restart (retries, aborts, tail);
+    its id is per process and its partial samples belong to weights that the
+    resumed run no longer serves, so both are dropped (the task regenerates).
+    """
+    if not isinstance(item, Task):
+        return {"row": copy.deepcopy(dict(item))}
+    return {
+        "row": copy.deepcopy(item.data),
+        "task": {"retries": item.retries, "aborts": item.aborts, "tail": item.tail},
+        "is_validate": item.is_validate,
+    }
+
+
+def item_from_state(state: Mapping[str, Any]) -> dict[str, Any] | Task:
+    """The inverse of `item_to_state` (a bare row dict from older checkpoints is kept)."""
+    if "row" not in state:
+        return dict(state)
+    if "task" not in state:
+        return dict(state["row"])
+    book = state["task"]
+    return Task(
+        data=dict(state["row"]),
+        is_validate=bool(state.get("is_validate", False)),
+        retries=int(book.get("retries", 0)),
+        aborts=int(book.get("aborts", 0)),
+        tail=bool(book.get("tail", False)),
+    )
 
 
 class BaseDataLoader(NexRLModule):
@@ -98,14 +131,20 @@ class BaseDataLoader(NexRLModule):
         with self._lock:
             self._returned.append(item)
 
-    def returned_items(self) -> list[dict[str, Any]]:
-        """A copy of the queued returned items (front first), for checkpoints."""
+    def returned_items(self) -> list[dict[str, Any] | Task]:
+        """A copy of the queued returned items (front first)."""
         with self._lock:
             return copy.deepcopy(list(self._returned))
 
-    def _restore_returned(self, items: list[dict[str, Any]]) -> None:
+    def returned_state(self) -> list[dict[str, Any]]:
+        """The queued returned items as JSON (`item_to_state`), for checkpoints: a re-queued
+        `Task` must survive `json.dumps`."""
         with self._lock:
-            self._returned = deque(copy.deepcopy(items))
+            return [item_to_state(item) for item in self._returned]
+
+    def _restore_returned(self, items: list[Mapping[str, Any]]) -> None:
+        with self._lock:
+            self._returned = deque(item_from_state(item) for item in items)
 
 
 class InMemoryDataLoader(BaseDataLoader):
@@ -142,3 +181,23 @@ class InMemoryDataLoader(BaseDataLoader):
 
     def _reset_fresh(self) -> None:
         self._pos = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: position, returned items and the row count."""
+        with self._lock:
+            return {
+                "position": self._pos,
+                "returned": self.returned_state(),
+                "num_rows": len(self._rows),
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict()`; fails if the number of rows changed."""
+        if state.get("num_rows") != len(self._rows):
+            raise ValueError(
+                f"loader state has num_rows={state.get('num_rows')!r} but this loader has "
+                f"{len(self._rows)} rows; cannot resume exactly"
+            )
+        with self._lock:
+            self._pos = int(state["position"])
+            self._restore_returned(list(state.get("returned", [])))

@@ -131,7 +131,7 @@ class HFDataLoader(BaseDataLoader):
             return {
                 "epoch": self._epoch,
                 "position": self._pos,
-                "returned": self.returned_items(),
+                "returned": self.returned_state(),
                 "seed": self._seed,
                 "shuffle": self._shuffle,
                 "num_rows": self.num_rows,

@@ -23,6 +23,15 @@ Routing of `complete` (docs/rollout.md):
 The ledger `tasks_in/train = tasks_trained + dropped + failed + queued` holds at
 any time because every hand-out and every route is counted here.
 
+Exactly once across crashes (docs/reliability.md): every training task handed
+out is kept in `_live` until it is trained (its batch index is below the
+trained-step count, `mark_trained`), dropped, finally failed, or given back to
+its loader. `checkpoint_state(tag, trained)` takes the loader's state and the
+live tasks not yet trained in one critical section (`_io`, which every
+loader hand-out and give-back holds too), so a task is either in the loader
+state or in the pending list, never both and never neither; on resume the
+pending tasks go back to the front of the loader (`restore`).
+
 Thread safety: one condition guards the state; loader calls happen outside it
 (in Ray mode they are calls to another actor). `wait_admission` sleeps on the
 condition, which every state change notifies.
@@ -35,7 +44,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from nexrl.data.base import item_from_state, item_to_state
 from nexrl.execute import execute
 from nexrl.protocols import DataLoaderLike, TrackerLike
 from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
@@ -76,6 +87,8 @@ class _TagState:
     holds: set[str] = field(default_factory=set)
     tail: list[Task] = field(default_factory=list)
     pooled: dict[int, Task] = field(default_factory=dict)
+    formed: dict[int, list[int]] = field(default_factory=dict)
+    """Batch index -> ids of its tasks, until the batch is trained (`mark_trained`)."""
 
 
 class TaskAdmission:
@@ -87,6 +100,10 @@ class TaskAdmission:
         self._cond = threading.Condition(threading.RLock())
         self._tags: dict[ModelTag, _TagState] = {}
         self._ids = itertools.count()
+        # Loader hand-outs / give-backs and `_live` change together under `_io`, so a
+        # checkpoint sees each task in exactly one place. Never taken while holding `_cond`.
+        self._io = threading.RLock()
+        self._live: dict[int, Task] = {}
         self._loader: DataLoaderLike | None = None
         self._validate_loader: DataLoaderLike | None = None
         self._tracker: TrackerLike | None = None
@@ -135,15 +152,24 @@ class TaskAdmission:
             return True
 
     def _take(self, loader: DataLoaderLike | None, validate: bool) -> Task | None:
-        item = None if loader is None else execute(loader.get_next_item)
-        if item is None:
-            return None
-        task = item if isinstance(item, Task) else Task(data=dict(item), is_validate=validate)
-        if task.task_id < 0:
-            task.task_id = next(self._ids)
+        with self._io:
+            item = None if loader is None else execute(loader.get_next_item)
+            if item is None:
+                return None
+            task = item if isinstance(item, Task) else Task(data=dict(item), is_validate=validate)
+            new = task.task_id < 0
+            if new:
+                task.task_id = next(self._ids)
             if not validate:
-                self._count("tasks_in/train")
+                self._live[task.task_id] = task
+        if new and not validate:
+            self._count("tasks_in/train")
         return task
+
+    def _settled(self, task: Task) -> None:
+        """`task` left the run for good (dropped, failed): nothing to resume."""
+        with self._io:
+            self._live.pop(task.task_id, None)
 
     # -- take back -------------------------------------------------------------------
     def complete(self, tag: ModelTag, task: Task, result: StepResult) -> None:
@@ -169,6 +195,7 @@ class TaskAdmission:
         elif result is StepResult.DEFERRED:
             self._add_tail(tag, task)
         else:
+            self._settled(task)
             self._count("groups_dropped/dynamic_sampling")
 
     def _route_validate(self, task: Task, result: StepResult) -> None:
@@ -184,6 +211,7 @@ class TaskAdmission:
             task.retries += 1
             self.requeue(task)
             return
+        self._settled(task)
         self._count(f"tasks_failed/{kind}")
         logger.warning("task %s failed %d times; counted as failed", task.uid, task.retries + 1)
 
@@ -192,7 +220,10 @@ class TaskAdmission:
         loader = self._validate_loader if task.is_validate else self._loader
         if loader is None:
             raise RuntimeError(f"task {task.uid!r}: no loader to give it back to")
-        execute(loader.add_item_front, task)
+        with self._io:
+            execute(loader.add_item_front, task)
+            if not task.is_validate:
+                self._live.pop(task.task_id, None)
 
     def _release(self, tag: ModelTag, generating: bool) -> None:
         state = self._state(tag)
@@ -247,6 +278,7 @@ class TaskAdmission:
                 plan.index = state.ledger.batch_formed(len(tasks) or len(plan.take))
                 for task_id in tasks:
                     state.pooled.pop(task_id, None)
+                state.formed[plan.index] = sorted(tasks)
             state.ledger.release(len(stale_tasks))
             self._cond.notify_all()
         for task in stale_tasks:
@@ -263,6 +295,51 @@ class TaskAdmission:
                 "by a rollout worker, so its task cannot be re-queued"
             )
         return state.pooled.pop(group.task_id, None)
+
+    # -- exactly once across crashes -----------------------------------------------------
+    def mark_trained(self, tag: ModelTag, trained: int) -> int:
+        """`trained` steps are done, so batches with index < `trained` are trained: their
+        tasks leave the ledger. Returns how many tasks were settled."""
+        with self._cond:
+            formed = self._state(tag).formed
+            done = [i for i in formed if i < trained]
+            ids = [task_id for i in done for task_id in formed.pop(i)]
+        with self._io:
+            for task_id in ids:
+                self._live.pop(task_id, None)
+        return len(ids)
+
+    def checkpoint_state(self, tag: ModelTag, trained: int) -> dict[str, Any]:
+        """The loader's state and every handed-out task not trained after `trained` steps
+        (generating, pooled, in a formed batch not trained yet, tail candidates), taken
+        together: `{"dataloader": state or None, "pending_tasks": [item_to_state, ...]}`."""
+        with self._io:
+            loader = self._loader
+            has_state = loader is not None and hasattr(loader, "state_dict")
+            loader_state = execute(loader.state_dict) if has_state else None
+            with self._cond:
+                formed = self._state(tag).formed
+                done = {task_id for i, ids in formed.items() if i < trained for task_id in ids}
+            pending = [
+                item_to_state(task)
+                for task_id, task in sorted(self._live.items())
+                if task_id not in done
+            ]
+        return {"dataloader": loader_state, "pending_tasks": pending}
+
+    def restore(self, pending: list[dict[str, Any]]) -> int:
+        """Resume: put a checkpoint's pending tasks at the front of the loader, in their
+        order (call after the loader's own state is loaded). Returns how many."""
+        for state in reversed(pending):
+            item = item_from_state(state)
+            task = item if isinstance(item, Task) else Task(data=item)
+            self.requeue(task)
+        return len(pending)
+
+    def pending_count(self) -> int:
+        """Handed-out training tasks not yet trained, dropped, failed or given back."""
+        with self._io:
+            return len(self._live)
 
     # -- the weight-sync side -----------------------------------------------------------
     def set_version(self, tag: ModelTag, version: int) -> None:

@@ -156,6 +156,7 @@ class TrainWorker(LoopModule):
         metrics = self._update(batch)
         metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
         step = self._step + 1
+        self._log_trained(step, batch)
         if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
             self.save_checkpoint(step)
         self.export_sync_weights()
@@ -223,9 +224,7 @@ class TrainWorker(LoopModule):
         (a crash mid-save leaves no `global_step_N`; docs/reliability.md)."""
         step = self._step if step is None else step
         path = self._checkpoint_path / f"global_step_{step}"
-        state: dict[str, Any] = {"step": step}
-        if self._dataloader is not None and hasattr(self._dataloader, "state_dict"):
-            state["dataloader"] = execute(self._dataloader.state_dict)
+        state: dict[str, Any] = {"step": step, **self._task_state(step)}
         with atomic_directory(path) as staging:
             self._client.save_checkpoint(str(staging))
             (staging / STATE_FILE).write_text(json.dumps(state))
@@ -235,6 +234,31 @@ class TrainWorker(LoopModule):
                     shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s", path)
         return str(path)
+
+    def _task_state(self, step: int) -> dict[str, Any]:
+        """The loader position and the tasks handed out but not trained after `step` steps,
+        from the task owner in one snapshot (exactly once across crashes); without one,
+        the loader position alone."""
+        wsc = self._weight_sync_controller
+        if wsc is not None and hasattr(wsc, "checkpoint_tasks"):
+            state = execute(wsc.checkpoint_tasks, self._model_tag, step)
+            if state.get("dataloader") is None:
+                state.pop("dataloader", None)
+            return state
+        if self._dataloader is not None and hasattr(self._dataloader, "state_dict"):
+            return {"dataloader": execute(self._dataloader.state_dict)}
+        return {}
+
+    def _log_trained(self, step: int, batch: Batch) -> None:
+        """`train_worker.log_trained_uids`: one line per step, flushed before the step's
+        checkpoint, so every checkpointed step has its line."""
+        if not getattr(self._config, "log_trained_uids", False):
+            return
+        uids = sorted(set(batch.metadata.get("uids") or []), key=str)
+        index = batch.metadata.get("batch_index")
+        line = json.dumps({"step": step, "batch_index": index, "uids": uids})
+        with (self._checkpoint_path.parent / "trained.jsonl").open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         self._client.load_checkpoint(path)
