@@ -139,16 +139,16 @@ class TrainWorkerConfig:
     """Checkpoint folder; null: `<run dir>/checkpoints`."""
     sync_weight_path: str | None = None
     """Weight-sync buffer folder; null: `<run dir>/sync_weights`."""
+    log_trained_uids: bool = False
+    """Append `{"step", "uids"}` per train step to `trained.jsonl` beside the checkpoint
+    folder, written before that step's checkpoint: an audit of which data items each
+    step trained (the exactly-once test reads it; docs/reliability.md)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Train engine options (docs/training.md)."""
 
 
 @dataclass
 class WeightConfig:
-    log_trained_uids: bool = False
-    """Append `{"step", "uids"}` per train step to `trained.jsonl` beside the checkpoint
-    folder, written before that step's checkpoint: an audit of which data items each
-    step trained (the exactly-once test reads it; docs/reliability.md)."""
     type: str = "default"
     """Controller type."""
     sync_mode: str = "sync"
