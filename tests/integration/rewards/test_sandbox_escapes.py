@@ -17,15 +17,24 @@ from pathlib import Path
 import pytest
 
 from nexrl.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
+from nexrl.rewards.sandbox_forkserver import ForkServerSandbox
 
 REPO_FILE = Path(__file__).resolve()
 LIMITS = SandboxLimits(wall_s=8, cpu_s=4, memory_mb=512, nproc=16, output_bytes=64 * 1024)
 
 
+KINDS = {"one_shot": Sandbox, "fork_server": ForkServerSandbox}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def kind(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def sandbox():
+def sandbox(kind):
     try:
-        box = Sandbox(limits=LIMITS, pool_size=1, max_concurrency=8)
+        box = KINDS[kind](limits=LIMITS, pool_size=1, max_concurrency=8)
     except SandboxUnavailableError as exc:
         if os.environ.get("NEXRL_REQUIRE_SANDBOX") == "1":
             raise
@@ -48,8 +57,9 @@ def sandbox_user_pids() -> set[int]:
             status = (entry / "status").read_text()
         except OSError:
             continue
-        uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
-        if os.geteuid() == 0 and uid == "65534":
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        zombie = fields.get("State", "").strip().startswith("Z")  # exited, awaiting its reaper
+        if os.geteuid() == 0 and fields["Uid"].split()[0] == "65534" and not zombie:
             pids.add(int(entry.name))
     return pids
 
@@ -152,8 +162,8 @@ def test_tmpfs_is_size_capped(sandbox) -> None:
 
 
 @pytest.mark.slow
-def test_fork_bomb_is_contained(sandbox) -> None:
-    with Sandbox(pool_size=0) as box:  # no pre-started spares: every new process is the bomb's
+def test_fork_bomb_is_contained(sandbox, kind) -> None:
+    with KINDS[kind](pool_size=0) as box:  # no pre-started spares: every new process is the bomb's
         before = sandbox_user_pids()
         result = run(
             box,
@@ -168,14 +178,14 @@ def test_fork_bomb_is_contained(sandbox) -> None:
             limits=SandboxLimits(wall_s=3, cpu_s=2, nproc=16, memory_mb=256),
         )
         assert not result.ok
+        assert len(sandbox_user_pids() - before) <= 16 + 3  # RLIMIT_NPROC held the bomb
+    # closed: its pid namespace is gone with bwrap's init; every fork is reaped soon after
+    leftover = sandbox_user_pids() - before
+    deadline = time.monotonic() + 10
+    while leftover and time.monotonic() < deadline:
+        time.sleep(0.1)
         leftover = sandbox_user_pids() - before
-        assert len(leftover) <= 16 + 2  # RLIMIT_NPROC held the bomb (+ bwrap's init)
-        # the pid namespace goes down with bwrap's init: every fork is reaped soon after
-        deadline = time.monotonic() + 10
-        while leftover and time.monotonic() < deadline:
-            time.sleep(0.1)
-            leftover = sandbox_user_pids() - before
-        assert leftover == set()
+    assert leftover == set()
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
 
 
@@ -239,3 +249,38 @@ def test_clear_error_when_isolation_is_unavailable(monkeypatch) -> None:
         Sandbox(python="/nonexistent/python3")
     with pytest.raises(ValueError, match="none_unsafe"):
         Sandbox(isolation="docker")
+
+
+def test_fork_server_leaves_nothing_for_the_next_program() -> None:
+    try:
+        box = ForkServerSandbox(limits=LIMITS, pool_size=0, max_concurrency=1)
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"sandbox unavailable here: {exc}")
+    with box:
+        first = run(
+            box,
+            """
+            import os, subprocess, sys
+            open("/tmp/planted", "w").write("x")
+            open("/work/planted", "w").write("x")
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            try:   # the zygote's result pipe, through /proc: refused (not dumpable)
+                open(f"/proc/{os.getppid()}/fd/1", "w").write('{"exit_code": 0}')
+                print("OPENED")
+            except OSError as exc:
+                print("refused", type(exc).__name__)
+            """,
+        )
+        assert first.exit_code == 0 and "refused" in first.stdout, first
+        second = run(
+            box,
+            """
+            import os
+            print(sorted(os.listdir("/tmp")))
+            print(sorted(os.listdir("/work")))
+            print(sorted(p for p in os.listdir("/proc") if p.isdigit()))
+            """,
+        )
+        tmp, work, pids = second.stdout.splitlines()
+        assert "planted" not in tmp and "planted" not in work
+        assert len(eval(pids)) == 3  # bwrap's init, the zygote, this program: the sleeper is gone
