@@ -72,10 +72,22 @@ def reward_of(traj: Trajectory) -> float:
     return float(reward)
 
 
+def score_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """`reward/<name>`: the mean of each named reward component (`scores`) that occurs."""
+    names = sorted({k for t in trajectories for k in (t.get("scores") or {})})
+    return {
+        f"reward/{name}": statistics.fmean(
+            float(t["scores"][name]) for t in trajectories if name in (t.get("scores") or {})
+        )
+        for name in names
+    }
+
+
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     rewards = [reward_of(t) for t in trajectories]
     lengths = [len(t["response_ids"]) for t in trajectories]
     return {
+        **score_metrics(trajectories),
         "reward/mean": statistics.fmean(rewards),
         "reward/max": max(rewards),
         "reward/min": min(rewards),

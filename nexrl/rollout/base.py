@@ -35,6 +35,7 @@ from nexrl.protocols import (
     ValidatorLike,
     WeightSyncLike,
 )
+from nexrl.rewards.runner import RewardRunner
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,16 @@ class BaseRolloutWorker(LoopModule):
         self._context = context
         self._llm_client = llm_client
         self._reward_fn = reward_fn
+        self._rewards = (
+            None
+            if reward_fn is None
+            else RewardRunner(
+                reward_fn,
+                timeout_s=config.reward_timeout_s,
+                use_process_pool=config.reward_process_pool > 0,
+                max_workers=max(1, config.reward_process_pool),
+            )
+        )
         self._is_running_validate = False
         self.current_task: Task | None = None
         self._trajectory_pool: TrajectoryPoolLike | None = None
@@ -200,7 +211,31 @@ class BaseRolloutWorker(LoopModule):
                 return
 
     def score(self, row: dict[str, Any], sample: dict[str, Any]) -> float:
-        """The reward of one sample: `reward_fn(prompt, completion, **row)`."""
+        """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its
+        named components land in `sample["scores"]`. A failed call raises `RewardFailed`
+        (reported, the task retried) and is counted in `rewards/failed/<kind>`."""
         data = {k: v for k, v in row.items() if k != "prompt"}
-        prompt = row.get(self._context.prompt_key)
-        return float(self._reward_fn(prompt, sample["response"], **data))
+        outcome = self._rewards.score(
+            row.get(self._context.prompt_key),
+            sample["response"],
+            sample.get("prompt_ids"),
+            sample.get("response_ids"),
+            data,
+        )
+        if not outcome.ok:
+            self._activity_tracker.increment(f"rewards/failed/{outcome.error}")
+            raise RewardFailed(
+                f"reward {outcome.error} on task {row.get('uid')!r}: {outcome.detail}"
+            )
+        if outcome.scores:
+            sample["scores"] = dict(outcome.scores)
+        return float(outcome.reward)
+
+    def stop(self) -> None:
+        super().stop()
+        if self._rewards is not None:
+            self._rewards.close()
+
+
+class RewardFailed(RuntimeError):
+    """A reward call timed out, crashed or raised (its kind and detail in the message)."""

@@ -163,6 +163,8 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         for c in choices:
             reward = self.score(task, c) if self._reward_fn is not None else None
             traj = make_trajectory(task, c, reward, tag)
+            if c.get("scores"):
+                traj["scores"] = c["scores"]
             traj["rollout_aborts"] = current.aborts
             traj["continuations"] = int(c.get("continuations", 0))
             group.append(traj)

@@ -40,7 +40,40 @@ def test_raising_reward_is_reported_retried_then_counted(client):
     assert len(side.loader) == 0 and side.pool.is_empty()
     assert side.tracker.get_counters()["tasks_failed/train"] == 1
     errors = side.tracker.error_reporter.get_errors()
-    assert [e.exception_type for e in errors] == ["ZeroDivisionError"] * 2
+    assert [e.exception_type for e in errors] == ["RewardFailed"] * 2
+    assert "ZeroDivisionError" in errors[0].message
+    assert side.tracker.get_counters()["rewards/failed/exception"] == 2
+
+
+def test_a_hanging_reward_times_out_and_does_not_block_the_worker(client):
+    import time
+
+    def hangs(prompt, completion, **row):
+        time.sleep(30)
+        return 1.0
+
+    cfg = RolloutWorkerConfig(group_size=2, max_tokens=4, max_task_retries=0, reward_timeout_s=0.2)
+    side = build_rollout_side(client, ITEMS, hangs, worker=cfg)
+    start = time.monotonic()
+    assert side.worker._loop_once()
+    assert time.monotonic() - start < 10  # not the 30 s of the reward
+    counters = side.tracker.get_counters()
+    assert counters["rewards/failed/timeout"] >= 1 and counters["tasks_failed/train"] == 1
+
+
+def test_reward_components_travel_with_the_trajectory(client):
+    def scored(prompt, completion, prompt_ids, completion_ids, **row):  # the seed's signature
+        return {"reward": 0.5, "scores": {"format": 1.0, "length": len(completion_ids)}}
+
+    cfg = RolloutWorkerConfig(group_size=2, max_tokens=4, max_task_retries=0)
+    side = build_rollout_side(client, ITEMS, scored, worker=cfg)
+    assert side.worker._loop_once()
+    batch = side.pool.get_batch()
+    assert batch.values["reward"] == [0.5, 0.5]
+    assert [s["format"] for s in batch.values["scores"]] == [1.0, 1.0]
+    assert [s["length"] for s in batch.values["scores"]] == [
+        float(len(ids)) for ids in batch.values["response_ids"]
+    ]
 
 
 def test_dynamic_sampling_drops_groups_with_one_reward_value(client):
