@@ -63,6 +63,18 @@ class RolloutWorkerConfig:
     """Top-k sampling; -1 disables."""
     max_task_retries: int = 2
     """A task whose rollout raised is put back this many times, then counted as failed."""
+    reward_timeout_s: float | None = 30.0
+    """Seconds a reward call may take; a slower one is counted (`rewards/failed/timeout`),
+    reported, and its task retried (null: no limit)."""
+    reward_process_pool: int = 0
+    """Run the reward in this many worker processes (a hung or crashing reward is killed and
+    the process replaced); 0: in a thread of the rollout worker (docs/rewards.md)."""
+    workflow: str = ""
+    """`type: agent` only: the `RolloutWorkflow` class as `package.module:Class` (empty: the
+    built-in `nexrl.agents.workflows:ToolWorkflow`); docs/agents.md."""
+    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    """`type: agent` only: keyword arguments of the workflow's constructor (e.g. `tools`,
+    `max_turns`); `config` and `reward_fn` are added when it takes them."""
 
 
 @dataclass
@@ -215,6 +227,9 @@ class InferenceServiceConfig:
     """Seconds per request."""
     freeze_for_weight_sync: bool = True
     """Hold new requests while a weight sync is in progress."""
+    tool_call_parser: str = "hermes"
+    """How `LLMServiceClient.generate(messages, tools=...)` reads tool calls from the reply
+    (a name in `nexrl.inference.tool_parsers`), on in-process backends."""
     engine: dict[str, Any] = field(default_factory=dict)
     """Built-in engine options (docs/inference.md)."""
 
