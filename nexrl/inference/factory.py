@@ -20,9 +20,10 @@ ENGINE_OPTIONS = (
     "device",
     "seed",
     "emulated_step_latency_s",
+    "kv_cache_gib",
 )
 
-HF_OPTIONS = ("dtype", "device", "max_model_len")
+HF_OPTIONS = ("dtype", "device", "max_model_len")  # HFEngine preallocates no KV cache
 
 
 def build_hf_engine(model: str | None, **options: Any) -> InferenceEngine:
