@@ -2,6 +2,7 @@
 
     python benchmarks/bench_async.py            # ~30 minutes on 2 CPU cores
     python benchmarks/bench_async.py --quick    # < 3 minutes, fixed short runs
+    python benchmarks/bench_async.py --smoke    # seconds: every variant, 2 tiny steps
 
 Two tasks, each variant in the same process one after the other:
 
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import describe
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
@@ -68,6 +70,7 @@ VARIANTS: dict[str, list[str]] = {
 HEADLINE = "fully-async(1)"
 SYSTEM = ["rollout_worker.num_workers=16", "+service.inference_service.engine.max_batch_size=256"]
 TARGET = 0.9
+SMOKE = ["trajectory_pool.batch_size=8", "rollout_worker.group_size=4"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fixed short runs (< 3 minutes)")
     parser.add_argument("--latency", type=float, default=None, help="emulated s per engine step")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--smoke", action="store_true", help="2 tiny steps per variant, no files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
@@ -163,19 +167,24 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"default": 30 if args.quick else None, "long_tail": 10 if args.quick else 60}
     tables: dict[str, dict[str, dict[str, Any]]] = {}
     latency = args.latency
-    for engine in ("cpu", "emulated"):
+    if args.smoke:
+        steps, latency = {"default": 2, "long_tail": 2}, latency or 0.001
+    for engine in ("emulated",) if args.smoke else ("cpu", "emulated"):
         for task in ("default", "long_tail"):
             base = [*common(tmp, model), *SYSTEM, *task_overrides(task, tmp, steps[task])]
+            base += SMOKE if args.smoke else []
             if engine == "emulated" and latency is None:
                 latency = calibrate(tables["cpu/default"]["sync"], max_tokens=4)
                 print(f"emulated latency: {latency * 1000:.1f} ms per engine step", flush=True)
             print(f"## {engine} / {task}", flush=True)
             step_latency = 0.0 if engine == "cpu" else latency
-            tables[f"{engine}/{task}"] = run_variants(base, step_latency, [*VARIANTS])
-    sweep = run_sweep(tmp, model, latency)
+            names = ["sync", HEADLINE] if args.smoke and task == "long_tail" else [*VARIANTS]
+            tables[f"{engine}/{task}"] = run_variants(base, step_latency, names)
+    sweep = [] if args.smoke else run_sweep(tmp, model, latency)
     shutdown_local_engines()
     ratios = compute_ratios(tables)
-    _write(args.out, tables, ratios, sweep, latency, args.quick)
+    if not args.smoke:
+        _write(args.out, tables, ratios, sweep, latency, args.quick)
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
     print(f"fully_async_vs_sync_emulated: {ratios['emulated/default/' + HEADLINE]:.2f}")
@@ -215,7 +224,7 @@ def compute_ratios(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, fl
     out = {}
     for key, results in tables.items():
         sync = results["sync"]["samples_per_s"]
-        for name in list(VARIANTS)[1:]:
+        for name in [n for n in VARIANTS if n in results and n != "sync"]:
             out[f"{key}/{name}"] = results[name]["samples_per_s"] / sync
     return out
 
@@ -252,8 +261,8 @@ def _write(out: Path, tables, ratios, sweep, latency: float, quick: bool) -> Non
     lines = [
         f"# bench_async ({'--quick' if quick else 'full'})",
         "",
-        f"`python benchmarks/bench_async.py{' --quick' if quick else ''}` "
-        f"(load average at the end: {_load()}). Emulated latency: {latency * 1000:.1f} ms "
+        describe(),
+        f"Load average at the end: {_load()}. Emulated latency: {latency * 1000:.1f} ms "
         "per engine step (calibrated: one batch generates in about one train step).",
         "",
         header,

@@ -12,6 +12,7 @@ Then the tiny model through HTTP (`nexrl serve` in a subprocess, 64 concurrent c
 vs the same 64 requests in-process. Ratios compare numbers measured in the same run.
 
     python benchmarks/bench_generation.py [--quick] [--threads 1] [--out benchmarks/results]
+    python benchmarks/bench_generation.py --smoke   # seconds: tiny model, c=1 and 4, no files
 
 The last line is `speedup_vs_hf_at_64: X` (default tiny model, concurrency 64).
 """
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from _machine import command, describe
 
 from nexrl.inference.engine import Engine
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
@@ -197,6 +199,7 @@ def write_results(out: Path, rows: list[dict], http: tuple[float, float], meta: 
     lines = [
         "# Generation benchmark",
         "",
+        f"{meta['machine']}  ",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}  ",
         f"Load average before / after: {meta['load_before']} / {meta['load_after']}  ",
@@ -231,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--repeats", type=int, default=None, help="best of N (default 3, quick 2)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, no results files (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        return smoke(args.threads)
     torch.set_num_threads(args.threads)
     max_tokens = 64  # --quick trims repeats and the 30M model, not the measured sequence
     repeats = args.repeats or (2 if args.quick else 3)
@@ -253,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             default_model_path(), args.threads, 128, 2 if args.quick else 3, repeats
         )
     meta = dict(
-        command="python benchmarks/bench_generation.py" + (" --quick" if args.quick else ""),
+        command=command(),
+        machine=describe().splitlines()[0],
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
         load_before=load_before,
         load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -266,6 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"http_vs_inprocess_at_64: {http[1] / http[0]:.2f}")
     at64 = next(r for r in rows if r["model"] == "tiny-1M" and r["concurrency"] == 64)
     print(f"speedup_vs_hf_at_64: {at64['speedup']:.2f}")
+    return 0
+
+
+def smoke(threads: int) -> int:
+    """The same code paths at toy sizes: engine vs HF at c=1 and 4, then HTTP vs in-process."""
+    rows: list[dict] = []
+    compare(default_model_path(), "tiny-1M", (1, 4), 8, rows, 1)
+    local, remote = http_vs_inprocess(default_model_path(), threads, 8, 1, 1)
+    print(f"smoke: speedup_vs_hf_at_4: {rows[-1]['speedup']:.2f}")
+    print(f"smoke: http_vs_inprocess: {remote / local:.2f}")
     return 0
 
 

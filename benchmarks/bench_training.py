@@ -7,6 +7,7 @@ price of everything the engine adds. The two are interleaved round by round so t
 load from other processes on a shared machine hits both alike.
 
     python benchmarks/bench_training.py [--batch 16 --seq 128 --rounds 5 --steps 3]
+    python benchmarks/bench_training.py --smoke   # seconds: tiny sizes, same code path
 
 Last line: `engine_vs_bare_loop: X` (engine tokens/s / bare tokens/s; target >= 0.9).
 """
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+from _machine import describe
 from transformers import AutoModelForCausalLM
 
 from nexrl.models.tiny import build_tiny_qwen2
@@ -37,11 +40,12 @@ def bare_step(model, opt, ids, att, mask, adv) -> None:
     opt.step()
 
 
-def full_batch(n: int, t: int) -> Batch:
-    """Every row of full length: padding gives neither side an advantage."""
+def full_batch(n: int, t: int, vocab_size: int) -> Batch:
+    """Every row of full length: padding gives neither side an advantage. Token ids
+    are drawn from the model's own vocabulary (a fixed bound broke when it shrank)."""
     batch = random_batch(n, t, seed=0)
     g = torch.Generator().manual_seed(1)
-    batch.values["input_ids"] = torch.randint(3, 97, (n, t), generator=g)
+    batch.values["input_ids"] = torch.randint(3, vocab_size, (n, t), generator=g)
     batch.values["attention_mask"] = torch.ones(n, t, dtype=torch.long)
     batch.values["loss_mask"] = torch.zeros(n, t)
     batch.values["loss_mask"][:, t // 4 :] = 1
@@ -57,7 +61,7 @@ def timed(fn, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
@@ -66,7 +70,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (seconds)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.seq, args.hidden, args.layers, args.rounds, args.steps = 2, 16, 32, 1, 1, 1
     torch.set_num_threads(args.threads)
     path = build_tiny_qwen2(
         tempfile.mkdtemp() + "/m",
@@ -74,11 +82,11 @@ def main() -> None:
         num_layers=args.layers,
         intermediate_size=2 * args.hidden,
     )
-    batch = full_batch(args.batch, args.seq)
     engine = TorchTrainEngine(
         {"micro_batch_tokens": args.batch * args.seq, "grad_clip": 1.0}, str(path)
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(engine.device)
+    batch = full_batch(args.batch, args.seq, model.config.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     v = {k: t.to(engine.device) for k, t in batch.values.items()}
 
@@ -94,13 +102,21 @@ def main() -> None:
         t_engine += timed(run_engine, args.steps)
         t_bare += timed(run_bare, args.steps)
     tokens = args.batch * args.seq * args.steps * args.rounds
-    print(
+    lines = [
         f"device: {engine.device}  threads: {args.threads}  model: hidden {args.hidden} x "
-        f"{args.layers} layers  batch: {args.batch} x {args.seq}"
-    )
-    print(f"engine_tokens_per_s: {tokens / t_engine:.1f}")
-    print(f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}")
-    print(f"engine_vs_bare_loop: {t_bare / t_engine:.3f}")
+        f"{args.layers} layers  batch: {args.batch} x {args.seq}",
+        f"engine_tokens_per_s: {tokens / t_engine:.1f}",
+        f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}",
+        f"engine_vs_bare_loop: {t_bare / t_engine:.3f}",
+    ]
+    print("\n".join(lines))
+    if not args.smoke:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        text = f"\n## Run of {stamp}\n\n{describe()}\n```\n" + "\n".join(lines) + "\n```\n"
+        with (args.out / "training.md").open("a") as f:  # appended: keeps the history
+            f.write(text)
+    return t_bare / t_engine
 
 
 if __name__ == "__main__":

@@ -148,13 +148,13 @@ class TrainWorker(LoopModule):
 
     def _step_batch(self, batch: Batch) -> None:
         t0 = time.perf_counter()
-        batch.values["old_logprobs"] = self._client.compute_logprobs(batch)
         if "ref_logprobs" not in batch.values:
             ref = self._client.compute_ref_logprobs(batch)
             if ref is not None:
                 batch.values["ref_logprobs"] = ref
         metrics = self._update(batch)
-        metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
+        if "old_logprobs" in batch.values:  # absent when the update's forward made them
+            metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
         step = self._step + 1
         self._log_trained(step, batch)
         if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
@@ -176,9 +176,18 @@ class TrainWorker(LoopModule):
         """`ppo_epochs` passes over `num_mini_batches` slices: one optimizer step per slice.
 
         Old logprobs stay those of the weights before the first slice, so from the
-        second slice on the policy ratio moves away from 1 and clipping applies.
+        second slice on the policy ratio moves away from 1 and clipping applies. With a
+        single optimizer step per batch the old policy is the current one in every sync
+        mode (staleness only separates old from *behaviour* logprobs), so a client whose
+        engine takes old logprobs from the update's own forward, detached
+        (`fills_old_logprobs`), skips the extra no-grad pass: same loss, same gradient.
         """
         slices = mini_batches(len(batch), self._num_mini_batches)
+        one_step = len(slices) == 1 and self._ppo_epochs == 1
+        if one_step and getattr(self._client, "fills_old_logprobs", False):
+            batch.values.pop("old_logprobs", None)
+        else:
+            batch.values["old_logprobs"] = self._client.compute_logprobs(batch)
         history: list[dict[str, float]] = []
         for _ in range(self._ppo_epochs):
             for rows in slices:

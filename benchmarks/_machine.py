@@ -1,0 +1,46 @@
+"""What every benchmark result names: the machine (CPU model, cores, GPU) and the command.
+
+Figures from different machines are not comparable (AVX-512 alone moves the engine
+ratio from 3x to 5x), so every results file starts with `describe()`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name (falls back to `platform.processor()`)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def machine() -> dict[str, object]:
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu_name()}
+
+
+def command() -> str:
+    return "python " + shlex.join(sys.argv)
+
+
+def describe() -> str:
+    """Markdown lines: machine and the command that produced the figures."""
+    m = machine()
+    gpu = f", GPU: {m['gpu']}" if m["gpu"] else ""
+    return f"Machine: {m['cpu']}, {m['cores']} cores{gpu}\n\nCommand: `{command()}`\n"

@@ -1,0 +1,234 @@
+"""End to end: nexrl's default recipe vs a minimal single-file GRPO loop, back to back.
+
+Both sides train the embedded tiny Qwen2 (`nexrl.models.tiny`) on the built-in
+shift_letters task: 16 prompts x 16 samples per step, up to 4 new tokens at
+temperature 1, GRPO advantages (r - group mean) / (group std + 1e-6), PPO-clip at
+ratio 1 (one update per batch) with token-mean aggregation and entropy bonus 0.03,
+AdamW lr 3e-4, grad clip 1.0 - the default config. The minimal loop below is the
+floor: HF `generate`, reward, one torch forward / backward / step, nothing else.
+
+Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
+fully-async (staleness 1, in-flight weight updates). Validation is off on the
+nexrl side so both report the same thing: median seconds per step and the
+seconds (sum of step times, start-up excluded) until the train reward, averaged
+over the last 5 steps, first reaches 0.9.
+
+    python benchmarks/bench_e2e.py                # until 0.9 or 400 steps each
+    python benchmarks/bench_e2e.py --steps 60     # a partial run: s/step ratios only
+    python benchmarks/bench_e2e.py --smoke        # seconds: 2 tiny steps of each side
+
+Writes benchmarks/results/e2e.md (not in --smoke). Last line:
+`nexrl_sync_vs_minimal_step_s: X` (target <= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _machine import describe
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nexrl.config import load_config
+from nexrl.controller import NexRLController
+from nexrl.data.tasks import write_task
+from nexrl.inference.client import shutdown_local_engines
+from nexrl.models.tiny import default_model_path
+from nexrl.rewards import shift_letters
+
+TARGET, WINDOW = 0.9, 5
+LR, CLIP, ENTROPY_COEF, GRAD_CLIP, MAX_TOKENS = 3e-4, 0.2, 0.03, 1.0, 4
+NEXRL_VARIANTS = {
+    "nexrl sync": ["weight.sync_mode=sync"],
+    "nexrl fully-async(1)+inflight": [
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=1",
+        "weight.inflight_weight_update=true",
+    ],
+}
+
+
+# ------------------------------------------------------------ the minimal loop
+
+
+def grpo_loss(model, seqs: torch.Tensor, n_prompt: int, adv: torch.Tensor, pad_id: int):
+    """PPO-clip at ratio 1 (old = detached current), token-mean, minus the entropy bonus."""
+    att = (seqs != pad_id).long()
+    att[:, :n_prompt] = 1
+    logits = model(input_ids=seqs, attention_mask=att, use_cache=False).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, -1)
+    target = seqs[:, 1:]
+    lp = logp_all.gather(-1, target[..., None]).squeeze(-1)
+    mask = att[:, 1:].float()
+    mask[:, : n_prompt - 1] = 0
+    ratio = torch.exp(lp - lp.detach())
+    a = adv[:, None]
+    per_token = torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP, 1 + CLIP))
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    n = mask.sum().clamp(min=1)
+    return ((per_token - ENTROPY_COEF * entropy) * mask).sum() / n
+
+
+def minimal_grpo(
+    model_path: Path, rows: list[dict], prompts: int, group: int, steps: int, seed: int
+) -> list[dict[str, float]]:
+    """The floor of any GRPO trainer: sample, score, normalise per group, one step."""
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    pad_id = tok.pad_token_id
+    history = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = [rows[(step * prompts + i) % len(rows)] for i in range(prompts)]
+        ids = tok([r["prompt"] for r in batch], return_tensors="pt").input_ids
+        n_prompt = ids.shape[1]  # every prompt has the same length ("abcd>")
+        model.eval()
+        with torch.no_grad():
+            seqs = model.generate(
+                ids.repeat_interleave(group, 0),
+                attention_mask=torch.ones(len(ids) * group, n_prompt, dtype=torch.long),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=pad_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        texts = tok.batch_decode(seqs[:, n_prompt:], skip_special_tokens=True)
+        rewards = torch.tensor(
+            [
+                shift_letters(batch[i // group]["prompt"], t, batch[i // group]["answer"])
+                for i, t in enumerate(texts)
+            ]
+        )
+        r = rewards.view(prompts, group)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
+        model.train()
+        loss = grpo_loss(model, seqs, n_prompt, adv, pad_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        history.append({"reward": float(rewards.mean()), "step_s": time.perf_counter() - t0})
+    return history
+
+
+# ------------------------------------------------------------------ nexrl runs
+
+
+def nexrl_run(overrides: list[str]) -> list[dict[str, float]]:
+    shutdown_local_engines()
+    controller = NexRLController(load_config(overrides))
+    controller.run()
+    lines = Path(controller.run_dir, "metrics.jsonl").read_text().splitlines()
+    train = [x for x in map(json.loads, lines) if "train/loss" in x]
+    return [{"reward": x["reward/mean"], "step_s": x["timing/step_s"]} for x in train]
+
+
+def summarise(history: list[dict[str, float]]) -> dict[str, Any]:
+    """Median s/step (the first step, with start-up, left out) and time to TARGET."""
+    steady = [h["step_s"] for h in history[1:]] or [history[0]["step_s"]]
+    elapsed, to_target, steps_to = 0.0, None, None
+    for i, h in enumerate(history):
+        elapsed += h["step_s"]
+        recent = [x["reward"] for x in history[max(0, i - WINDOW + 1) : i + 1]]
+        if i + 1 >= WINDOW and statistics.fmean(recent) >= TARGET:
+            to_target, steps_to = elapsed, i + 1
+            break
+    return {
+        "steps": len(history),
+        "step_s": statistics.median(steady),
+        "s_to_target": to_target,
+        "steps_to_target": steps_to,
+        "final_reward": statistics.fmean(h["reward"] for h in history[-WINDOW:]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=400, help="max steps per side")
+    p.add_argument("--smoke", action="store_true", help="2 steps of 4 x 4 each, no files")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    prompts, group, steps = (4, 4, 2) if args.smoke else (16, 16, args.steps)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    train_path, _ = write_task("shift_letters", tmp / "data")
+    rows = [json.loads(x) for x in train_path.read_text().splitlines()]
+    model = default_model_path()
+    results = {"minimal loop": summarise(minimal_grpo(model, rows, prompts, group, steps, 42))}
+    print("minimal loop", results["minimal loop"], flush=True)
+    base = [
+        f"output_dir={tmp / 'out'}",
+        f"train_worker.total_train_steps={steps}",
+        f"trajectory_pool.batch_size={prompts * group}",
+        f"rollout_worker.group_size={group}",
+        "weight.validate_freq=0",
+        "validate.validate_before_train=false",
+        "train_worker.save_freq=0",
+        "logger.backend=[jsonl]",
+    ]
+    for name, over in NEXRL_VARIANTS.items():
+        results[name] = summarise(nexrl_run([*base, *over]))
+        print(name, results[name], flush=True)
+    shutdown_local_engines()
+    ratios = compute_ratios(results)
+    if not args.smoke:
+        write(args.out / "e2e.md", results, ratios)
+    for k, v in ratios.items():
+        print(f"{k}: {'-' if v is None else f'{v:.3f}'}")
+    return results
+
+
+def compute_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    base = results["minimal loop"]
+    out: dict[str, float | None] = {}
+    for name in NEXRL_VARIANTS:
+        key = name.replace("nexrl ", "").replace("(1)+inflight", "")
+        out[f"nexrl_{key}_vs_minimal_s_to_0.9"] = _ratio(results[name], base, "s_to_target")
+    for name in reversed(NEXRL_VARIANTS):
+        key = name.replace("nexrl ", "").replace("(1)+inflight", "")
+        out[f"nexrl_{key}_vs_minimal_step_s"] = _ratio(results[name], base, "step_s")
+    return out
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    return None if a[key] is None or b[key] is None else a[key] / b[key]
+
+
+def write(path: Path, results: dict[str, dict[str, Any]], ratios: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
+    lines = [
+        f"# End to end: nexrl vs a minimal GRPO loop ({stamp})",
+        "",
+        describe(),
+        f"Load average at the end: {load}. torch threads: 1.",
+        "",
+        "| run | steps | median s/step | steps to 0.9 | s to 0.9 | final reward (last 5) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        fmt = "-" if r["s_to_target"] is None else f"{r['s_to_target']:.1f}"
+        lines.append(
+            f"| {name} | {r['steps']} | {r['step_s']:.3f} | {r['steps_to_target'] or '-'} | "
+            f"{fmt} | {r['final_reward']:.3f} |"
+        )
+    lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items()), ""]
+    path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
