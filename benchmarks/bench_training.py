@@ -10,6 +10,8 @@ load from other processes on a shared machine hits both alike.
     python benchmarks/bench_training.py --smoke   # seconds: tiny sizes, same code path
 
 Last line: `engine_vs_bare_loop: X` (engine tokens/s / bare tokens/s; target >= 0.9).
+`old_logprob_pass_vs_train_step` is the no-grad old-logprob pass over one train step:
+what skipping it on-policy saves on the train side.
 """
 
 from __future__ import annotations
@@ -96,17 +98,22 @@ def main(argv: list[str] | None = None) -> float:
     def run_bare():
         bare_step(model, opt, v["input_ids"], v["attention_mask"], v["loss_mask"], v["advantages"])
 
-    timed(run_engine, 1), timed(run_bare, 1)  # warm up
-    t_engine = t_bare = 0.0
+    def run_old_logprobs():  # the pass an on-policy engine can skip (docs/performance.md)
+        engine.compute_logprobs(batch)
+
+    timed(run_engine, 1), timed(run_bare, 1), timed(run_old_logprobs, 1)  # warm up
+    t_engine = t_bare = t_old = 0.0
     for _ in range(args.rounds):
         t_engine += timed(run_engine, args.steps)
         t_bare += timed(run_bare, args.steps)
+        t_old += timed(run_old_logprobs, args.steps)
     tokens = args.batch * args.seq * args.steps * args.rounds
     lines = [
         f"device: {engine.device}  threads: {args.threads}  model: hidden {args.hidden} x "
         f"{args.layers} layers  batch: {args.batch} x {args.seq}",
         f"engine_tokens_per_s: {tokens / t_engine:.1f}",
         f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}",
+        f"old_logprob_pass_vs_train_step: {t_old / t_engine:.3f}",
         f"engine_vs_bare_loop: {t_bare / t_engine:.3f}",
     ]
     print("\n".join(lines))
