@@ -21,6 +21,7 @@ from nexrl.types import NexRLRole
 ROLLOUT_WORKERS = Registry("rollout worker", "rollout_worker.type")
 ROLLOUT_WORKERS.add("single_turn", "nexrl.rollout.workers:SingleTurnRolloutWorker")
 ROLLOUT_WORKERS.add("simple", "nexrl.rollout.workers:SimpleRolloutWorker")
+ROLLOUT_WORKERS.add("agent", "nexrl.rollout.agent:AgentRolloutWorker")
 
 PROCESSORS = Registry("algorithm processor", "algorithm.type")
 PROCESSORS.add("grpo", "nexrl.algorithms.processor:GRPOProcessor")

@@ -196,20 +196,78 @@ class LLMServiceClient:
         """The latest samples this client returned, oldest first."""
         return list(self._recent)
 
-    def generate(self, messages: list[dict], **kwargs: Any) -> dict[str, Any]:
-        """Chat: apply the tokenizer's chat template, then complete. Adds `messages`."""
+    def generate(
+        self, messages: list[dict], *, tools: list[dict] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Chat: apply the tokenizer's chat template (with `tools` when given), then complete.
+
+        Adds `messages` and, per choice, the OpenAI `tool_calls` of the reply ([] when it
+        called none; `content` is then the text outside the calls). Local backends parse
+        with `tool_call_parser`; remote ones send `tools` to the server and read its
+        `message.tool_calls` back (start `nexrl serve` with `--tool-call-parser`)."""
         self._wait_for_weight_sync()
         if self._remote is not None:
-            result = self._retrying(self._remote.chat, messages, kwargs)
+            result = self._retrying(self._remote_chat, messages, tools, kwargs)
         else:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True
             )
             prompt = self.tokenizer.decode(ids)
             result = self._retrying(self._local_generate, prompt, list(ids), kwargs)
+            if tools:
+                self._parse_tool_calls(result)
         result["messages"] = messages
-        result.setdefault("tool_calls", [])
+        for choice in result["choices"]:
+            choice.setdefault("tool_calls", [])
+        result.setdefault("tool_calls", result["choices"][0]["tool_calls"])
         return self._record(result)
+
+    def _parse_tool_calls(self, result: dict[str, Any]) -> None:
+        """OpenAI `tool_calls` of each local choice, as `nexrl serve` returns them."""
+        from nexrl.inference.api_models import assistant_message
+        from nexrl.inference.tool_parsers import get_parser
+
+        parser = get_parser(self.config.get("tool_call_parser") or "hermes")
+        for choice in result["choices"]:
+            parsed = parser.parse(choice["response"])
+            message, finish = assistant_message(choice["response"], choice["finish_reason"], parsed)
+            choice["content"] = message["content"]
+            choice["tool_calls"] = message.get("tool_calls", [])
+            choice["finish_reason"] = finish
+            choice["parse_failures"] = [f.reason for f in parsed[2]]
+        result.update(
+            {
+                k: result["choices"][0][k]
+                for k in ("content", "tool_calls", "finish_reason", "parse_failures")
+            }
+        )
+
+    def _remote_chat(self, messages: list[dict], tools: list[dict] | None, kwargs) -> dict:
+        """`RemoteBackend.chat`, with `tools` sent and the server's `tool_calls` read back."""
+        if not tools:
+            return self._remote.chat(messages, kwargs)
+        remote = self._remote
+        std, extra = remote._params(kwargs)
+        resp = remote.client.chat.completions.create(
+            model=remote._model(),
+            messages=messages,
+            tools=tools,
+            logprobs=True,
+            extra_body=extra,
+            **std,
+        ).model_dump()
+        choices = []
+        for c in resp["choices"]:
+            content = (c.get("logprobs") or {}).get("content") or []
+            msg = c["message"]
+            choice = remote._choice(c, msg["content"] or "", [t["logprob"] for t in content])
+            choice["content"] = msg["content"]
+            choice["tool_calls"] = [
+                {"id": t["id"], "type": t["type"], "function": dict(t["function"])}
+                for t in msg.get("tool_calls") or []
+            ]
+            choices.append(choice)
+        return remote._result(None, None, resp, choices)
 
     def _local_generate(self, prompt: Any, ids: list[int], kwargs: Mapping) -> dict[str, Any]:
         version = self._engine.version

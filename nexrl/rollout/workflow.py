@@ -54,20 +54,35 @@ def sample_to_trajectory(sample: TokenSample, tokenizer: Any = None, **extra: An
     the tokens before the first policy token are the prompt, the rest the response (tool
     and user tokens inside it keep `loss_mask` 0)."""
     cut = sample.prompt_len
-    policy_versions = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
     traj: Trajectory = {
         "prompt_ids": sample.input_ids[:cut],
         "response_ids": sample.input_ids[cut:],
         "response_logprobs": sample.logprobs[cut:],
         "loss_mask": sample.loss_mask[cut:],
         "token_versions": sample.versions[cut:],
-        # the oldest weights that sampled a policy token: staleness is counted from it
-        "model_version": min(policy_versions) if policy_versions else -1,
         "finish_reason": "stop",
     }
+    fill_masked_versions(traj)
     if tokenizer is not None:
         traj["response"] = tokenizer.decode(traj["response_ids"], skip_special_tokens=True)
     traj.update(extra)
+    return traj
+
+
+def fill_masked_versions(traj: Trajectory) -> Trajectory:
+    """Give environment tokens (loss_mask 0, version -1) the oldest policy version.
+
+    The pool counts a trajectory's staleness from its oldest token version, so a -1 on a
+    tool token would make every multi-turn trajectory look infinitely stale; the oldest
+    version of a policy token is the trajectory's `model_version` (when not set)."""
+    versions = traj.get("token_versions")
+    mask = traj.get("loss_mask")
+    if not versions or mask is None or len(mask) != len(versions):
+        return traj
+    policy = [v for v, m in zip(versions, mask, strict=True) if m and v >= 0]
+    oldest = min(policy) if policy else max(int(traj.get("model_version") or 0), 0)
+    traj["token_versions"] = [v if v >= 0 else oldest for v in versions]
+    traj.setdefault("model_version", oldest)
     return traj
 
 
@@ -81,7 +96,7 @@ def as_trajectories(result: EpisodeResult, tokenizer: Any = None) -> list[Trajec
         if isinstance(item, TokenSample):
             out.append(sample_to_trajectory(item, tokenizer))
         elif isinstance(item, dict):
-            out.append(dict(item))
+            out.append(fill_masked_versions(dict(item)))
         else:
             raise TypeError(
                 f"arun_episode returned {type(item).__name__}; expected a trajectory dict, "
@@ -136,6 +151,8 @@ class WorkflowExecutor:
             result = await workflow.arun_episode(self.engine, data)
             tokenizer = getattr(self.engine, "tokenizer", None)
             self._results.put(as_trajectories(result, tokenizer))
+        except asyncio.CancelledError:
+            raise
         except BaseException as exc:  # handed to the caller of wait()
             self._results.put(exc)
 
@@ -231,5 +248,17 @@ class WorkflowExecutor:
 
     def shutdown(self) -> None:
         """Stop the executor's event loop (running episodes are cancelled)."""
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._loop.is_closed():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self._loop.close()
