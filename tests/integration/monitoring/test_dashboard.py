@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -173,10 +174,23 @@ def _page_state(driver) -> dict:
     )
 
 
+def _wait_for_page(driver, what: str, ok, timeout: float, alive=lambda: True) -> dict:
+    """Poll the rendered page until `ok(state)`; fail naming `what` and the last state seen
+    (3 s after `alive()` turns false: the run ended without the page showing it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = _page_state(driver)
+        if ok(state):
+            return state
+        if not alive():  # the page polls every second: give it a last few polls
+            deadline = min(deadline, time.monotonic() + 3)
+        if time.monotonic() > deadline:
+            pytest.fail(f"the page never showed {what}; last rendered state: {state}")
+        time.sleep(0.25)
+
+
 @pytest.mark.slow
 def test_page_in_headless_chromium_follows_a_real_training_run(short_run_config, tmp_path):
-    from selenium.webdriver.support.ui import WebDriverWait
-
     from nexrl.controller import NexRLController
 
     controller = NexRLController(short_run_config)
@@ -195,22 +209,29 @@ def test_page_in_headless_chromium_follows_a_real_training_run(short_run_config,
 
     try:
         driver.get(url)
-        before = WebDriverWait(driver, 30).until(
-            lambda d: (st := _page_state(d))["conn"].startswith("live") and st
+        before = _wait_for_page(
+            driver, "a live connection", lambda st: st["conn"].startswith("live"), 60
         )
         assert before["step"] == 0 and before["reward_points"] == 0
         trainer = threading.Thread(target=train, name="train", daemon=True)
         trainer.start()
-        during = WebDriverWait(driver, 300, poll_frequency=0.25).until(
-            lambda d: (st := _page_state(d))["step"] >= 2 and st["reward_points"] >= 2 and st
+        during = _wait_for_page(
+            driver,
+            "step >= 2 with >= 2 reward points during the run",
+            lambda st: st["step"] >= 2 and st["reward_points"] >= 2,
+            300,
+            alive=trainer.is_alive,
         )
         shot = os.environ.get("NEXRL_DASHBOARD_SCREENSHOT")  # docs/dashboard.png is made so
         if shot:
             Path(shot).write_bytes(driver.get_screenshot_as_png())
         trainer.join(timeout=300)
         assert not trainer.is_alive() and not errors, errors
-        final = WebDriverWait(driver, 30).until(
-            lambda d: (st := _page_state(d))["val_points"] >= 1 and st["step"] == 6 and st
+        final = _wait_for_page(
+            driver,
+            "the final step 6 and a validation point",
+            lambda st: st["val_points"] >= 1 and st["step"] == 6,
+            30,
         )
     finally:
         driver.quit()
