@@ -193,12 +193,12 @@ def _wait_for_page(driver, what: str, ok, timeout: float, alive=lambda: True) ->
 def test_page_in_headless_chromium_follows_a_real_training_run(short_run_config, tmp_path):
     from nexrl.controller import NexRLController
 
+    driver = _chromium_driver(tmp_path)  # first: without Chromium, fail before any run
     controller = NexRLController(short_run_config)
     dash = Dashboard(
         controller.activity_tracker, controller.run_dir, pipeline_state_fn(controller.system)
     )
     url = dash.start()
-    driver = _chromium_driver(tmp_path)
     errors: list[BaseException] = []
 
     def train() -> None:
