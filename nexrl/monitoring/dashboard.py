@@ -103,8 +103,8 @@ class MetricsTail:
         except json.JSONDecodeError:
             logger.warning("dashboard: skipping a malformed line of %s", self.path)
             return
-        step = row.get("step")
-        if not isinstance(row, dict) or not isinstance(step, int | float):
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int | float):
             return
         self.last_step = max(self.last_step or 0, int(step))
         for name, key in SERIES_KEYS.items():
