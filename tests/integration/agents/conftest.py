@@ -1,9 +1,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nexrl.config import load_config
+from nexrl.inference.engine import Engine
+from tests.unit.agents.chatml import build_scripted_model
 
+CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
 WORKFLOW = "tests.integration.agents.workflows:TwoTurnWorkflow"
 
 
@@ -43,3 +47,18 @@ def _fresh_engines():
     shutdown_local_engines()
     yield
     shutdown_local_engines()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """A scripted model whose greedy reply to any chat is a Hermes call of `add`."""
+    out = tmp_path_factory.mktemp("m") / "scripted"
+    return str(build_scripted_model(out, ["<tool_call>", CALL, "</tool_call>"]))
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    torch.set_num_threads(1)
+    eng = Engine(model_path, max_batch_size=8)
+    yield eng
+    eng.shutdown()

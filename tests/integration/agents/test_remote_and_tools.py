@@ -8,18 +8,14 @@ Hermes call of `add`, so tool calls come back deterministically.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nexrl.agents.workflows import ToolWorkflow
 from nexrl.inference.client import LLMServiceClient
-from nexrl.inference.engine import Engine
 from nexrl.inference.remote import RemoteBackend
 from nexrl.inference.server import create_app
 from nexrl.rollout.workflow import WorkflowExecutor
 from tests.integration.inference.conftest import ServerThread
-from tests.unit.agents.chatml import build_scripted_model
 
-CALL = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
 KEY = "agents-key"
 ASK = [{"role": "user", "content": "what is 2+3?"}]
 TOOLS = [
@@ -41,20 +37,6 @@ TOOLS = [
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    out = tmp_path_factory.mktemp("m") / "scripted"
-    return str(build_scripted_model(out, ["<tool_call>", CALL, "</tool_call>"]))
-
-
-@pytest.fixture(scope="module")
-def engine(model_path):
-    torch.set_num_threads(1)
-    eng = Engine(model_path, max_batch_size=8)
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture(scope="module")

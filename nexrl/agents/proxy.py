@@ -1,0 +1,134 @@
+"""Train agents written against the OpenAI SDK: a recording OpenAI-compatible proxy.
+
+The user's agent keeps its own code; it only gets `base_url=proxy.base_url(session)` and
+any `api_key`. Every chat completion of the session is served by an `InferenceEngine`
+(the run's engine, or the pipeline's `ClientEngine`, so weight-sync and versions apply),
+and the proxy records the exact prompt ids, sampled ids, logprobs and per-token versions.
+A reward comes from `POST /sessions/{id}/reward {"reward": x}` (the agent's side) or from
+`set_reward` (Python); `trajectories(session)` turns the session into one trajectory per
+completion (each is token-exact: the ids the engine saw and sampled), all carrying the
+session's reward.
+
+The request and response shapes are `nexrl serve`'s (nexrl.inference.api_models): tools
+are rendered by the chat template and the reply's calls come back as OpenAI `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel
+
+from nexrl.inference.api_models import ChatRequest, chat_body, chat_messages
+from nexrl.inference.protocol import GenerationRequest, InferenceEngine
+from nexrl.inference.tool_parsers import get_parser
+from nexrl.types import Trajectory
+
+
+@dataclass
+class Session:
+    """What one agent run produced through the proxy."""
+
+    completions: list[dict[str, Any]] = field(default_factory=list)
+    reward: float | None = None
+
+
+class RewardBody(BaseModel):
+    reward: float
+
+
+class RecordingProxy:
+    """The proxy's state and its FastAPI `app` (serve it with uvicorn on 127.0.0.1).
+
+    engine: serves every completion; tokenizer: its chat template renders the messages
+    (default: `engine.tokenizer`); parser: the tool-call format of the model's replies.
+    """
+
+    def __init__(
+        self, engine: InferenceEngine, tokenizer: Any = None, parser: str = "hermes"
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer or engine.tokenizer
+        self.parser = get_parser(parser)
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self.app = self._build_app()
+
+    def session(self, sid: str) -> Session:
+        with self._lock:
+            return self.sessions.setdefault(sid, Session())
+
+    def set_reward(self, sid: str, reward: float) -> None:
+        self.session(sid).reward = float(reward)
+
+    def trajectories(self, sid: str, reward: float | None = None) -> list[Trajectory]:
+        """The session as trajectories (one per completion); `reward` overrides the one
+        the agent posted. ValueError when the session has no completion or no reward."""
+        session = self.sessions.get(sid)
+        if session is None or not session.completions:
+            raise ValueError(f"session {sid!r} made no chat completion through the proxy")
+        value = reward if reward is not None else session.reward
+        if value is None:
+            raise ValueError(
+                f"session {sid!r} has no reward: POST /sessions/{sid}/reward or pass reward="
+            )
+        return [{**c, "reward": float(value), "session": sid} for c in session.completions]
+
+    async def _chat(self, sid: str, body: ChatRequest) -> dict[str, Any]:
+        messages = chat_messages(body.messages)
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tools=body.tools or None, add_generation_prompt=True, tokenize=True
+        )
+        if hasattr(prompt, "input_ids"):
+            prompt = prompt["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens or 256
+        request = GenerationRequest(list(prompt), body.sampling(max_tokens))
+        resp = await self.engine.agenerate(request)
+        parsed = [self.parser.parse(o.text) for o in resp.outputs] if body.tools else None
+        session = self.session(sid)
+        for out in resp.outputs:
+            versions = list(out.output_versions)
+            session.completions.append(
+                {
+                    "prompt_ids": list(resp.input_ids),
+                    "response_ids": list(out.output_ids),
+                    "response_logprobs": list(out.output_logprobs),
+                    "loss_mask": [1] * len(out.output_ids),
+                    "token_versions": versions,
+                    "model_version": min(versions) if versions else self.engine.version,
+                    "finish_reason": out.finish_reason,
+                    "response": out.text,
+                    "turn": len(session.completions),
+                }
+            )
+        return chat_body(
+            resp, body.model, self.engine.version, self.tokenizer, body.logprobs, parsed
+        )
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="nexrl recording proxy")
+
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def chat(sid: str, body: ChatRequest) -> dict[str, Any]:
+            if body.stream:
+                raise HTTPException(400, "stream: the recording proxy answers whole replies")
+            return await self._chat(sid, body)
+
+        @app.post("/sessions/{sid}/reward")
+        async def reward(sid: str, body: RewardBody) -> dict[str, Any]:
+            self.set_reward(sid, body.reward)
+            return {"session": sid, "reward": body.reward}
+
+        @app.get("/sessions/{sid}/v1/models")
+        async def models(sid: str) -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": "policy", "object": "model"}]}
+
+        return app
+
+    @staticmethod
+    def base_url(server_url: str, sid: str) -> str:
+        """What the agent's `openai.OpenAI(base_url=...)` gets for session `sid`."""
+        return f"{server_url.rstrip('/')}/sessions/{sid}/v1"
