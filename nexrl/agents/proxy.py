@@ -15,7 +15,12 @@ are rendered by the chat template and the reply's calls come back as OpenAI `too
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +30,8 @@ from pydantic import BaseModel
 from nexrl.inference.api_models import ChatRequest, chat_body, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine
 from nexrl.inference.tool_parsers import get_parser
+from nexrl.registry import import_object
+from nexrl.rollout.workflow import RolloutWorkflow
 from nexrl.types import Trajectory
 
 
@@ -34,6 +41,8 @@ class Session:
 
     completions: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
+    engine: InferenceEngine | None = None
+    """Serves this session (None: the proxy's engine); the pipeline's per-step engine."""
 
 
 class RewardBody(BaseModel):
@@ -86,9 +95,10 @@ class RecordingProxy:
             prompt = prompt["input_ids"]
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
         request = GenerationRequest(list(prompt), body.sampling(max_tokens))
-        resp = await self.engine.agenerate(request)
-        parsed = [self.parser.parse(o.text) for o in resp.outputs] if body.tools else None
         session = self.session(sid)
+        engine = session.engine or self.engine
+        resp = await engine.agenerate(request)
+        parsed = [self.parser.parse(o.text) for o in resp.outputs] if body.tools else None
         for out in resp.outputs:
             versions = list(out.output_versions)
             session.completions.append(
@@ -98,7 +108,7 @@ class RecordingProxy:
                     "response_logprobs": list(out.output_logprobs),
                     "loss_mask": [1] * len(out.output_ids),
                     "token_versions": versions,
-                    "model_version": min(versions) if versions else self.engine.version,
+                    "model_version": min(versions) if versions else engine.version,
                     "finish_reason": out.finish_reason,
                     "response": out.text,
                     "turn": len(session.completions),
@@ -132,3 +142,71 @@ class RecordingProxy:
     def base_url(server_url: str, sid: str) -> str:
         """What the agent's `openai.OpenAI(base_url=...)` gets for session `sid`."""
         return f"{server_url.rstrip('/')}/sessions/{sid}/v1"
+
+
+class ProxyServer:
+    """A `RecordingProxy` served by uvicorn on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, proxy: RecordingProxy) -> None:
+        import uvicorn
+
+        self.proxy = proxy
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        config = uvicorn.Config(proxy.app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the recording proxy did not start on port {self.port}")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+AgentFn = Callable[[str, str, dict[str, Any]], "float | None"]
+
+
+class OpenAIAgentWorkflow(RolloutWorkflow):
+    """Runs an OpenAI-SDK agent as a workflow: `agent(base_url, api_key, data)` (a plain,
+    blocking function; `pkg.module:function` in config) talks to the recording proxy and
+    returns its reward (None: it posted one to `/sessions/{id}/reward`, or rejects the
+    episode when it did not). Each completion becomes one trajectory; the engine is the one
+    `arun_episode` gets, so inside the pipeline weight sync and versions apply."""
+
+    def __init__(self, agent: AgentFn | str, parser: str = "hermes", api_key: str = "nexrl"):
+        self.agent = import_object(agent) if isinstance(agent, str) else agent
+        self.parser, self.api_key = parser, api_key
+        self._server: ProxyServer | None = None
+        self._lock = threading.Lock()
+
+    def _proxy(self, engine: InferenceEngine) -> ProxyServer:
+        with self._lock:
+            if self._server is None:
+                self._server = ProxyServer(RecordingProxy(engine, parser=self.parser))
+            return self._server
+
+    async def arun_episode(
+        self, engine: InferenceEngine, data: dict[str, Any]
+    ) -> list[Trajectory] | None:
+        server = self._proxy(engine)
+        sid = uuid.uuid4().hex
+        server.proxy.session(sid).engine = engine
+        url = RecordingProxy.base_url(server.url, sid)
+        try:
+            reward = await asyncio.to_thread(self.agent, url, self.api_key, dict(data))
+            session = server.proxy.sessions[sid]
+            if reward is None and session.reward is None:
+                return None
+            return server.proxy.trajectories(sid, reward=reward)
+        finally:
+            server.proxy.sessions.pop(sid, None)

@@ -4,6 +4,7 @@ completions come back as token-exact trajectories with its reward."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -60,3 +61,21 @@ def test_reward_endpoint_and_missing_reward(proxy):
     assert [t["reward"] for t in rec.trajectories("s2")] == [0.5, 0.5]
     with pytest.raises(ValueError, match="made no chat completion"):
         rec.trajectories("never")
+
+
+@pytest.mark.slow
+def test_openai_sdk_agent_trains_in_the_pipeline(agent_config):
+    from nexrl.controller import NexRLController
+
+    cfg = agent_config(
+        "rollout_worker.workflow=nexrl.agents.proxy:OpenAIAgentWorkflow",
+        "+rollout_worker.workflow_kwargs.agent=tests.integration.agents.workflows:sdk_agent",
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=1",
+    )
+    controller = NexRLController(cfg)
+    controller.run()
+    lines = [json.loads(x) for x in (Path(controller.run_dir) / "metrics.jsonl").open()]
+    train = [x for x in lines if "train/loss" in x]
+    assert [x["step"] for x in train] == [1, 2, 3]
+    assert all(x["staleness/max"] <= 1 for x in train)

@@ -57,3 +57,14 @@ class TwoTurnWorkflow(RolloutWorkflow):
 class RejectAll(RolloutWorkflow):
     async def arun_episode(self, engine, data):
         return None
+
+
+def sdk_agent(base_url: str, api_key: str, data: dict[str, Any]) -> float:
+    """An agent written against the openai SDK (one completion); rewards even lengths."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=4
+    )
+    return float(len(reply.choices[0].message.content or "") % 2 == 0)
