@@ -58,3 +58,31 @@ def test_rejecting_workflow_drops_tasks(agent_config):
 def test_bad_workflow_path_names_the_key(agent_config):
     with pytest.raises(ValueError, match="rollout_worker.workflow='nope:Missing'"):
         NexRLController(agent_config("rollout_worker.workflow=nope:Missing"))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.mark.slow
+def test_tool_workflow_trains_multi_turn(agent_config, model_path):
+    """The built-in ToolWorkflow in a real run: the scripted model calls `add` every turn
+    (greedy), so each episode is two policy turns around a masked tool result."""
+    cfg = agent_config(
+        f"model_path={model_path}",
+        "rollout_worker.workflow=tests.integration.agents.workflows:RecordingToolWorkflow",
+        "+rollout_worker.workflow_kwargs.tools=[tests.integration.agents.test_agent_pipeline:add]",
+        "+rollout_worker.workflow_kwargs.max_turns=2",
+        "rollout_worker.max_tokens=16",
+        "rollout_worker.temperature=0",
+    )
+    workflows.SEEN.clear()
+    controller = NexRLController(cfg)
+    controller.run()
+    lines = train_lines(controller.run_dir)
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert workflows.SEEN
+    for t in workflows.SEEN:
+        assert t["agent_metrics"]["agent/tool_calls"] == 1 and t["agent_finish"] == "max_turns"
+        assert sum(t["loss_mask"]) == 8 and 0 in t["loss_mask"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nexrl.agents.workflows import ToolWorkflow
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
 from nexrl.rollout.workflow import RolloutWorkflow
 
@@ -68,3 +69,12 @@ def sdk_agent(base_url: str, api_key: str, data: dict[str, Any]) -> float:
         model="policy", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=4
     )
     return float(len(reply.choices[0].message.content or "") % 2 == 0)
+
+
+class RecordingToolWorkflow(ToolWorkflow):
+    """The built-in ToolWorkflow, keeping what it returns in SEEN."""
+
+    async def arun_episode(self, engine, data):
+        out = await super().arun_episode(engine, data)
+        SEEN.extend(out)
+        return out
