@@ -50,6 +50,7 @@ from omegaconf import DictConfig
 
 from nexrl.execute import execute
 from nexrl.monitoring import should_stop
+from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
 from nexrl.run_setup import find_latest_checkpoint, find_resume_checkpoint, resolve_run_config
 from nexrl.system import LocalSystem, ModuleSystem
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
@@ -83,6 +84,7 @@ class NexRLController:
         self._next_health_check = 0.0
         self._next_error_check = 0.0
         self.final_metrics: dict[str, float] = {}
+        self.dashboard: Dashboard | None = None
 
     # -- the run -----------------------------------------------------------------
     def run(self) -> dict[str, float]:
@@ -95,6 +97,7 @@ class NexRLController:
         if validate_first:  # switch workers to validation before their loops start
             self._start_validate(self._tag)
         s.start()
+        self._start_dashboard()
         try:
             if validate_first:
                 self._wait_validate()
@@ -110,6 +113,15 @@ class NexRLController:
         finally:
             self._stop()
         return self.final_metrics
+
+    def _start_dashboard(self) -> None:
+        d = self._config.dashboard
+        if d.enabled:
+            state = pipeline_state_fn(self.system)
+            self.dashboard = Dashboard(self.activity_tracker, self.run_dir, state, d.host, d.port)
+            url = self.dashboard.start()
+            logger.info("status page: %s", url)
+            print(f"nexrl: status page {url}", flush=True)
 
     def _train_step(self) -> int:
         return execute(self.system.train_workers[0].get_train_step)
@@ -253,6 +265,8 @@ class NexRLController:
 
         Separate from `run()` so that the tracker can still be inspected after a run.
         """
+        if self.dashboard is not None:
+            self.dashboard.stop()
         shutdown = getattr(self.system, "shutdown", None)
         if shutdown is not None:
             shutdown()

@@ -29,12 +29,21 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 BLOCK = re.compile(r"```python\n(# doctest: run.*?)```", re.S)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 CHECKED = [
+    "agents",
     "algorithms",
+    "architecture",
+    "async",
     "configuration",
+    "dashboard",
     "data",
+    "inference",
+    "models",
     "monitoring",
     "pools",
     "quickstart",
+    "ray",
+    "reliability",
+    "rewards",
     "rollout",
     "training",
     "weight_sync",

@@ -343,6 +343,16 @@ class RayConfig:
 
 
 @dataclass
+class DashboardConfig:
+    enabled: bool = False
+    """Serve the live status page (docs/dashboard.md) while the run trains."""
+    host: str = "127.0.0.1"
+    """Bind address; loopback only (the page has no authentication)."""
+    port: int = 0
+    """TCP port; 0 picks a free one (the URL is logged)."""
+
+
+@dataclass
 class RLTrainConfig:
     launch_mode: str = "local"
     """`local` (threads in one process) or `ray`."""
@@ -372,6 +382,8 @@ class RLTrainConfig:
     runtime_monitor: RuntimeMonitorConfig = field(default_factory=RuntimeMonitorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     """Ray mode settings (`launch_mode: ray`; docs/ray.md)."""
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    """The live status page (docs/dashboard.md)."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -8,8 +8,8 @@ import pytest
 
 from nexrl.controller import NexRLController
 from nexrl.execute import execute
-from nexrl.types import Task
 from nexrl.training.parallel import free_port
+from nexrl.types import Task
 from tests.servers import spawn
 
 MODES = {

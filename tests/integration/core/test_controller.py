@@ -44,8 +44,9 @@ def test_resume_auto_continues_from_the_newest_checkpoint(small_config, tmp_path
         )
     )
     again.run()
+    assert again.run_dir == first.run_dir  # the same run folder continues
     steps = [line["step"] for line in read_metrics(again.run_dir) if "train/loss" in line]
-    assert steps == [4, 5]
+    assert steps == [1, 2, 3, 4, 5]  # the first run's 1-3, then 4 and 5 appended
     assert (Path(again.run_dir) / "checkpoints" / "global_step_5").exists()
 
 

@@ -141,9 +141,7 @@ def test_tail_candidates_are_served_together_before_new_data():
 
 
 def test_stale_group_is_dropped_and_its_task_served_first():
-    wsc, pool, loader, _, tracker = make(
-        mode="fully-async", k=0, gpb=1, over_sample_threshold=1.0
-    )
+    wsc, pool, loader, _, tracker = make(mode="fully-async", k=0, gpb=1, over_sample_threshold=1.0)
     old, late = wsc.acquire_task("default"), wsc.acquire_task("default")  # one over-sent
     pool.put_trajectory_group(group(old, 0))
     wsc.complete_task("default", old, StepResult.SUCCESS)
