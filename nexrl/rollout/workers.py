@@ -11,11 +11,12 @@ score later). Both are a `BaseRolloutWorker` plus a `GroupSampler`
 from __future__ import annotations
 
 import time
+from functools import cached_property
 from typing import Any
 
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
-from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
+from nexrl.rollout.base import BaseRolloutWorker, RolloutContext
 from nexrl.rollout.partial import aborted, continue_aborted, split_choices
 from nexrl.types import StepResult, Task, Trajectory
 
@@ -140,15 +141,9 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     """Generate a group, score each sample with `reward_fn` (None: no reward, the
     `simple` worker), drop uninformative groups under DAPO dynamic sampling."""
 
-    def __init__(
-        self,
-        config: RolloutWorkerConfig,
-        llm_client: Any,
-        context: RolloutContext,
-        reward_fn: RewardFn | None = None,
-    ) -> None:
-        super().__init__(config, llm_client, context, reward_fn)
-        self.sampler = GroupSampler(self)
+    @cached_property
+    def sampler(self) -> GroupSampler:
+        return GroupSampler(self)
 
     def _prompt(self, row: dict[str, Any]) -> Prompt:
         return chat_prompt(row, self._context.prompt_key, self._context.system_prompt)
