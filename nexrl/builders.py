@@ -152,7 +152,7 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
 def build_validator(cfg: DictConfig) -> Any:
     from nexrl.validation import Validator
 
-    return Validator(section(cfg.validate.eval))
+    return Validator(section(cfg.validate))
 
 
 BUILDERS: dict[NexRLRole, Callable[[DictConfig], Any]] = {

@@ -27,6 +27,8 @@ def context(**overrides: Any) -> RolloutContext:
     base = dict(
         prompt_key="prompt",
         validate_temperature=0.0,
+        validate_samples=1,
+        source_key="data_source",
         enable_partial_rollout=False,
         tail_batch_candidate_steps=0,
         dynamic_sampling=False,

@@ -252,6 +252,13 @@ class ValidateConfig:
     """Validate the initial weights before the first step."""
     temperature: float = 0.0
     """Sampling temperature of validation rollouts (0: greedy)."""
+    n_samples: int = 1
+    """Samples per validation task; with more than 1, `val/pass@k` is logged for
+    k = 1, 2, 4, ... up to it (use a temperature above 0)."""
+    pass_threshold: float = 1.0
+    """A sample counts as correct for pass@k when its reward is at least this."""
+    source_key: str = "data_source"
+    """Row column naming each task's source; rows that have it get `val/<source>/reward`."""
     data: DataConfig = field(
         default_factory=lambda: DataConfig(split="validation", shuffle=False, num_epochs=1)
     )

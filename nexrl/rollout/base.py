@@ -51,6 +51,8 @@ class RolloutContext:
 
     prompt_key: str
     validate_temperature: float
+    validate_samples: int
+    source_key: str
     enable_partial_rollout: bool
     tail_batch_candidate_steps: int
     dynamic_sampling: bool
@@ -61,6 +63,8 @@ class RolloutContext:
         return cls(
             prompt_key=cfg.data.prompt_key,
             validate_temperature=cfg.validate.temperature,
+            validate_samples=cfg.validate.n_samples,
+            source_key=cfg.validate.source_key,
             enable_partial_rollout=cfg.weight.enable_partial_rollout,
             tail_batch_candidate_steps=cfg.weight.tail_batch_candidate_steps,
             dynamic_sampling=cfg.algorithm.dynamic_sampling,
@@ -192,6 +196,8 @@ class BaseRolloutWorker(LoopModule):
         if task is not None:
             traj.setdefault("uid", task.uid)
             traj["task_id"] = task.task_id
+            if self._context.source_key in task.data:  # per-source validation metrics
+                traj.setdefault("source", task.data[self._context.source_key])
         traj.setdefault("model_tag", self._model_tag())
         if any(traj.get(k) is None for k in _TOKEN_KEYS):
             self._fill_from_client(traj)

@@ -80,7 +80,11 @@ class GroupSampler:
     def sampling_kwargs(self, validate: bool) -> dict[str, Any]:
         cfg, ctx = self._worker._config, self._worker._context
         if validate:
-            return {"n": 1, "max_tokens": cfg.max_tokens, "temperature": ctx.validate_temperature}
+            return {
+                "n": ctx.validate_samples,
+                "max_tokens": cfg.max_tokens,
+                "temperature": ctx.validate_temperature,
+            }
         return {
             "n": cfg.group_size,
             "max_tokens": cfg.max_tokens,

@@ -83,3 +83,17 @@ def test_raising_reward_is_counted_not_lost_under_continue(small_config):
     errors = controller.activity_tracker.error_reporter.get_errors()
     assert len(errors) == 3 * 2 + 8 * 2
     assert all("reward server unreachable" in e.message for e in errors)
+
+
+def test_validation_with_several_samples_logs_pass_at_k(small_config):
+    cfg = small_config(
+        "train_worker.total_train_steps=1",
+        "validate.n_samples=2",
+        "validate.temperature=1.0",
+        "validate.validate_before_train=false",
+    )
+    controller = NexRLController(cfg)
+    metrics = controller.run()
+    assert {"val/pass@1", "val/pass@2"} <= set(metrics)
+    assert 0.0 <= metrics["val/pass@1"] <= metrics["val/pass@2"] <= 1.0
+    assert metrics["val/num_samples"] == 2 * 8  # validate.data.max_items=8, two samples each
