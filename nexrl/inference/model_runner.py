@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from nexrl.inference import native
+import nexrl.inference.native as native
 from nexrl.inference.kernels import linear_for
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
