@@ -83,11 +83,25 @@ def score_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
+def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Means over the batch of each multi-turn episode metric (`agent_metrics` of a
+    trajectory: turns, tool calls, parse failures, time in the environment, ...)."""
+    names = sorted({k for t in trajectories for k in (t.get("agent_metrics") or {})})
+    out = {}
+    for name in names:
+        episodes = [t.get("agent_metrics") or {} for t in trajectories]
+        nums = [float(m[name]) for m in episodes if isinstance(m.get(name), int | float)]
+        if nums:
+            out[name if "/" in name else f"agent/{name}"] = statistics.fmean(nums)
+    return out
+
+
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     rewards = [reward_of(t) for t in trajectories]
     lengths = [len(t["response_ids"]) for t in trajectories]
     return {
         **score_metrics(trajectories),
+        **agent_metrics(trajectories),
         "reward/mean": statistics.fmean(rewards),
         "reward/max": max(rewards),
         "reward/min": min(rewards),

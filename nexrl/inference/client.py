@@ -207,7 +207,7 @@ class LLMServiceClient:
         `message.tool_calls` back (start `nexrl serve` with `--tool-call-parser`)."""
         self._wait_for_weight_sync()
         if self._remote is not None:
-            result = self._retrying(self._remote_chat, messages, tools, kwargs)
+            result = self._retrying(self._remote.chat, messages, kwargs, tools)
         else:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=True, tokenize=True
@@ -241,33 +241,6 @@ class LLMServiceClient:
                 for k in ("content", "tool_calls", "finish_reason", "parse_failures")
             }
         )
-
-    def _remote_chat(self, messages: list[dict], tools: list[dict] | None, kwargs) -> dict:
-        """`RemoteBackend.chat`, with `tools` sent and the server's `tool_calls` read back."""
-        if not tools:
-            return self._remote.chat(messages, kwargs)
-        remote = self._remote
-        std, extra = remote._params(kwargs)
-        resp = remote.client.chat.completions.create(
-            model=remote._model(),
-            messages=messages,
-            tools=tools,
-            logprobs=True,
-            extra_body=extra,
-            **std,
-        ).model_dump()
-        choices = []
-        for c in resp["choices"]:
-            content = (c.get("logprobs") or {}).get("content") or []
-            msg = c["message"]
-            choice = remote._choice(c, msg["content"] or "", [t["logprob"] for t in content])
-            choice["content"] = msg["content"]
-            choice["tool_calls"] = [
-                {"id": t["id"], "type": t["type"], "function": dict(t["function"])}
-                for t in msg.get("tool_calls") or []
-            ]
-            choices.append(choice)
-        return remote._result(None, None, resp, choices)
 
     def _local_generate(self, prompt: Any, ids: list[int], kwargs: Mapping) -> dict[str, Any]:
         version = self._engine.version

@@ -178,17 +178,27 @@ class RemoteBackend:
         ]
         return self._result(prompt, prompt_ids, resp, choices)
 
-    def chat(self, messages: list[dict], kwargs) -> dict:
+    def chat(self, messages: list[dict], kwargs, tools: list[dict] | None = None) -> dict:
+        """Chat completion; with `tools` the server's OpenAI `tool_calls` come back per choice
+        (and its `content`: the reply without the call markup)."""
         std, extra = self._params(kwargs)
+        if tools:
+            std["tools"] = tools
         resp = self.client.chat.completions.create(
             model=self._model(), messages=messages, logprobs=True, extra_body=extra, **std
         ).model_dump()
         choices = []
         for c in resp["choices"]:
             content = (c.get("logprobs") or {}).get("content") or []
-            choices.append(
-                self._choice(c, c["message"]["content"] or "", [t["logprob"] for t in content])
-            )
+            msg = c["message"]
+            choice = self._choice(c, msg["content"] or "", [t["logprob"] for t in content])
+            if tools:
+                choice["content"] = msg["content"]
+                choice["tool_calls"] = [
+                    {"id": t["id"], "type": t["type"], "function": dict(t["function"])}
+                    for t in msg.get("tool_calls") or []
+                ]
+            choices.append(choice)
         return self._result(None, None, resp, choices)
 
     def _choice(self, c: dict, text: str, logprobs: list[float] | None) -> dict[str, Any]:

@@ -39,8 +39,9 @@ CHECK_BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished")
 
 
 def min_version(traj: Trajectory) -> int | None:
-    """Oldest weight version that sampled a token of `traj` (None: unversioned)."""
-    versions = traj.get("token_versions") or []
+    """Oldest weight version that sampled a policy token of `traj` (None: unversioned);
+    tokens inserted by tools or the environment carry -1 and are not counted."""
+    versions = [v for v in traj.get("token_versions") or [] if v >= 0]
     if versions:
         return int(min(versions))
     version = traj.get("model_version")
