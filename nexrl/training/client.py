@@ -62,6 +62,12 @@ class TrainServiceClient:
         self._engine: Any = None
         self._http: _Http | None = None
 
+    @property
+    def fills_old_logprobs(self) -> bool:
+        """Whether `train_batch` fills missing old logprobs from its own forward (the
+        in-process engine does; the HTTP service does not say so yet)."""
+        return self._engine is not None and getattr(self._engine, "fills_old_logprobs", False)
+
     def initialize(self) -> None:
         """Build the in-process engine, or check that the remote service answers."""
         if self.backend == "builtin":

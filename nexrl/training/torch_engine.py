@@ -146,6 +146,9 @@ class TorchTrainEngine:
 
     # ---------------------------------------------------------------- training
 
+    fills_old_logprobs = True
+    """`train_batch` without `old_logprobs` uses this forward's (one update per batch)."""
+
     def train_batch(
         self, batch: Batch, loss_fn: str, loss_kwargs: dict[str, Any] | None = None
     ) -> dict[str, float]:
@@ -176,6 +179,7 @@ class TorchTrainEngine:
             with self._sync_context(last=k == len(micro) - 1):
                 # only the loss's positions need a logprob (the loss masks the rest)
                 lp, ent = self._logprobs(self.train_module, mb, want_entropy, mb["loss_mask"])
+                filled = fill_old_logprobs(mb, lp)
                 loss, metrics = compute_loss(
                     lp,
                     mb,
@@ -186,6 +190,7 @@ class TorchTrainEngine:
                     **loss_kwargs,
                 )
                 (loss * (weight * self.world_size)).backward()
+            metrics = {**metrics, **filled}
             if weight:
                 _accumulate(sums, loss, metrics, float(mb["loss_mask"].sum()))
         return self._finish_step(sums, totals)
@@ -324,6 +329,20 @@ def _tensors(batch: Batch, required: tuple[str, ...], device: torch.device):
                 f"batch field {k!r} has shape {tuple(v.shape)}, input_ids has {tuple(shape)}"
             )
     return {k: v.to(device) for k, v in values.items() if v.dim() >= 1 and v.shape[0] == shape[0]}
+
+
+def fill_old_logprobs(mb: dict[str, torch.Tensor], lp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One update per batch (the train worker sends no `old_logprobs`): the old policy IS
+    the current one, so old = this forward's logprobs, detached (ratio 1, as verl and TRL
+    do), saving a forward pass. Returns the engine-vs-trainer gap metric it replaces."""
+    if "old_logprobs" in mb:
+        return {}
+    mb["old_logprobs"] = lp.detach()
+    if "behavior_logprobs" not in mb:
+        return {}
+    mask = mb["loss_mask"].float()
+    gap = ((lp.detach() - mb["behavior_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
+    return {"behavior_old_logprob_absdiff": gap}
 
 
 def _accumulate(sums, loss, metrics, tokens: float) -> None:

@@ -1,9 +1,9 @@
 """On-policy skip of the old-logprob pass (issue 16).
 
-With one optimizer step per batch, old logprobs equal the current policy's, so an
-engine that takes them from the update's own forward (detached) saves a no-grad pass.
-`FillingEngine` is that engine change, applied here by subclassing the real
-`TorchTrainEngine` until torch_engine.py carries it; everything else is real.
+With one optimizer step per batch, old logprobs equal the current policy's, so the
+engine takes them from the update's own forward (detached) and the train worker skips
+its no-grad pass. The client below only counts the passes and can turn the skip off,
+so the two paths can be compared on the real engine.
 """
 
 from __future__ import annotations
@@ -13,22 +13,10 @@ import torch
 from nexrl.config.schema import TrainWorkerConfig
 from nexrl.training.client import TrainServiceClient
 from nexrl.training.synthetic import random_batch
-from nexrl.training.torch_engine import TorchTrainEngine
 from nexrl.training.train_worker import LossSpec, TrainWorker
 
 ENGINE = {"lr": 1e-2, "grad_clip": 1.0, "seed": 0}
 LOSS = {"agg_mode": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "entropy_coef": 0.03}
-
-
-class FillingEngine(TorchTrainEngine):
-    """The proposed engine change: a train micro-batch without old logprobs gets its own,
-    detached (ratio 1: same loss value, same gradient)."""
-
-    def _logprobs(self, module, mb, entropy, select=None):
-        lp, ent = super()._logprobs(module, mb, entropy, select)
-        if torch.is_grad_enabled() and "old_logprobs" not in mb:
-            mb["old_logprobs"] = lp.detach()
-        return lp, ent
 
 
 class CountingClient(TrainServiceClient):
@@ -36,12 +24,12 @@ class CountingClient(TrainServiceClient):
 
     def __init__(self, model_path: str, fills: bool) -> None:
         super().__init__({"backend": "builtin"}, ENGINE, model_path)
-        self.fills_old_logprobs = fills
+        self._fills = fills
         self.logprob_calls = 0
 
-    def initialize(self) -> None:
-        engine_cls = FillingEngine if self.fills_old_logprobs else TorchTrainEngine
-        self._engine = engine_cls(self.engine_config, self.model_path)
+    @property
+    def fills_old_logprobs(self) -> bool:
+        return self._fills
 
     def compute_logprobs(self, batch):
         self.logprob_calls += 1
