@@ -47,6 +47,7 @@ def build_rollout_side(
     ctx: RolloutContext | None = None,
     gpb: int = 1,
     worker_cls: type = SingleTurnRolloutWorker,
+    sync_weight_path: str = "/tmp/unused",
 ) -> RolloutSide:
     weight = weight or WeightConfig()
     worker_cfg = worker or RolloutWorkerConfig(group_size=4, max_tokens=4, max_task_retries=1)
@@ -55,7 +56,7 @@ def build_rollout_side(
     wsc = WeightSyncController(
         weight,
         client,
-        "/tmp/unused",
+        sync_weight_path,
         groups_per_batch=gpb,
         max_task_retries=worker_cfg.max_task_retries,
     )

@@ -39,7 +39,9 @@ def build(engine, path, k=1, f=0.0, partial=False, tail_steps=0, trigger=0, gpb=
     words = ("abcd", "bcde", "cdef", "defg", "efgh", "fghi", "ghij", "hijk")
     items = [{"prompt": f"{w}>", "answer": w} for w in words]
     worker = RolloutWorkerConfig(group_size=2, max_tokens=MAX_TOKENS, max_task_retries=0)
-    side = build_rollout_side(client, items, shift_letters, weight=weight, worker=worker, gpb=gpb)
+    side = build_rollout_side(
+        client, items, shift_letters, weight=weight, worker=worker, gpb=gpb, sync_weight_path=path
+    )
     return side.worker, side.wsc, side.pool, side.loader, side.tracker
 
 
