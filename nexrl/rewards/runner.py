@@ -187,9 +187,7 @@ class RewardRunner:
         """Blocking call; safe from any thread (not from inside a running event loop)."""
         args = (prompt, completion, list(prompt_ids or []), list(completion_ids or []), row or {})
         if self._pool is not None:
-            fut = self._pool.schedule(
-                _call_in_worker, args=(self.fn, *args), timeout=self.timeout_s
-            )
+            fut = self._schedule(args)
             return self._record(self._outcome_of(fut, None))
         if self.is_async:
             fut = self._threads.submit(asyncio.run, self._acall_inline(*args))
@@ -208,9 +206,7 @@ class RewardRunner:
         """Awaitable call: the event loop is never blocked by the reward."""
         args = (prompt, completion, list(prompt_ids or []), list(completion_ids or []), row or {})
         if self._pool is not None:
-            fut = self._pool.schedule(
-                _call_in_worker, args=(self.fn, *args), timeout=self.timeout_s
-            )
+            fut = self._schedule(args)
             await asyncio.wait({asyncio.wrap_future(fut)})  # never raises; classified below
             return self._record(self._outcome_of(fut, None))
         if self.is_async:
@@ -224,6 +220,10 @@ class RewardRunner:
         except Exception as exc:  # noqa: BLE001 - a failing reward is an outcome, not a crash
             return self._record(_exception(exc))
         return self._record(RewardOutcome(reward, scores))
+
+    def _schedule(self, args: tuple[Any, ...]) -> concurrent.futures.Future:
+        """One call in the process pool; pebble kills it after `timeout_s`."""
+        return self._pool.schedule(_call_in_worker, args=(self.fn, *args), timeout=self.timeout_s)
 
     def close(self) -> None:
         """Stop the worker processes (hung calls are killed) and the threads."""
