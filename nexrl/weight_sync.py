@@ -106,6 +106,14 @@ class WeightSyncController(NexRLModule):
         """The pool's one call per batch (see `TaskAdmission.form_batch`)."""
         return self.admission.form_batch(model_tag, groups, need)
 
+    def end_of_data(self, model_tag: ModelTag) -> bool:
+        """No more groups of `model_tag` will reach the pool (`TaskAdmission.end_of_data`)."""
+        return self.admission.end_of_data(model_tag)
+
+    def drop_groups(self, model_tag: ModelTag, groups: list[GroupInfo], reason: str) -> int:
+        """The pool drops groups that will never be trained; they are settled and counted."""
+        return self.admission.drop_groups(model_tag, groups, reason)
+
     def get_admission_state(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> dict[str, int]:
         return self.admission.snapshot(model_tag)
 

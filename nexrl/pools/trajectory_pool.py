@@ -4,10 +4,15 @@ Each model tag gets a `TrajectoryPoolInstance` (its own store and lock).
 Readiness rules (`check_batch_ready_function`):
 
 - "batch_size": a batch is ready when `batch_size` trajectories of complete
-  groups are waiting.
-- "loaded_batch_finished": as above, plus the tail: when the data loader is
-  finished and the rollout workers are quiescent (every loaded task has
-  arrived), whatever complete groups remain form one smaller final batch.
+  groups are waiting. At the end of the data the complete groups that cannot
+  fill a batch are dropped and counted (`groups_dropped/end_of_data`), like a
+  loader with `drop_last=True`.
+- "loaded_batch_finished": as above, but at the end of the data whatever
+  complete groups remain form one smaller final batch (`drop_last=False`).
+
+End of the data: the loader is finished, no rollout worker is busy, and the
+task owner has every handed-out task in a pool or a formed batch
+(`end_of_data`), so no further group can arrive.
 
 Forming a batch is one call to the weight-sync controller, the owner of tasks:
 `form_batch(tag, groups, need)` gets the ready groups' task ids and oldest
@@ -36,6 +41,7 @@ from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, check_tr
 logger = logging.getLogger(__name__)
 
 CHECK_BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished")
+END_OF_DATA = "end_of_data"  # the reason counted for the remainder dropped at the end
 
 
 def min_version(traj: Trajectory) -> int | None:
@@ -102,23 +108,31 @@ class TrajectoryPoolInstance:
             )
 
     # ---- readiness ----------------------------------------------------------
-    def _tail_reached(self) -> bool:
-        """Loader finished and no rollout worker busy: everything loaded has arrived."""
-        if self._ready_rule != "loaded_batch_finished" or self._refs.dataloader is None:
+    def _end_of_data(self) -> bool:
+        """Nothing more will arrive: the loader is finished, no rollout worker is busy and
+        the task owner has every handed-out task in a pool or a formed batch."""
+        refs = self._refs
+        if refs.dataloader is None or not execute(refs.dataloader.is_finished):
             return False
-        if not execute(self._refs.dataloader.is_finished):
+        if refs.tracker is not None and not refs.tracker.is_rollout_worker_quiescent():
             return False
-        tracker = self._refs.tracker
-        return tracker is None or bool(tracker.is_rollout_worker_quiescent())
+        return refs.wsc is None or bool(execute(refs.wsc.end_of_data, self.model_tag))
 
     def is_batch_ready(self) -> bool:
         with self._lock:
             ready = self._store.num_ready()
-        return ready >= self.batch_size or (ready > 0 and self._tail_reached())
+        if ready >= self.batch_size:
+            return True
+        tail = self._ready_rule == "loaded_batch_finished"
+        return tail and ready > 0 and self._end_of_data()
 
     # ---- gets ---------------------------------------------------------------
     def get_batch(self, batch_size: int | None = None) -> Batch | None:
-        """Exactly `batch_size` trajectories of whole groups (or the tail), else None."""
+        """Exactly `batch_size` trajectories of whole groups (or the tail), else None.
+
+        At the end of the data the complete groups that do not fill a batch form a final
+        smaller batch under "loaded_batch_finished", and are dropped (settled with the task
+        owner, counted as `groups_dropped/end_of_data`) under "batch_size"."""
         size = self.batch_size if batch_size is None else int(batch_size)
         if size < 1 or size % self.group_size:
             raise ValueError(
@@ -128,8 +142,11 @@ class TrajectoryPoolInstance:
             with self._lock:
                 groups = self._store.ready_groups()
             ready = sum(len(g) for g in groups)
-            tail = ready < size and ready > 0 and self._tail_reached()
+            tail = ready < size and ready > 0 and self._end_of_data()
             if ready < size and not tail:
+                return None
+            if tail and self._ready_rule == "batch_size":
+                self._drop_remainder(groups, size)
                 return None
             need = 0 if tail else size // self.group_size
             plan = self._plan([group_info(g) for g in groups], need)
@@ -149,6 +166,25 @@ class TrajectoryPoolInstance:
             group_size=self.group_size,
             batch_index=plan.index,
             staleness_dropped=len(plan.stale),
+        )
+
+    def _drop_remainder(self, groups: list[list[Trajectory]], size: int) -> None:
+        """End of the data under "batch_size": the groups that cannot fill a batch leave."""
+        wsc, tracker = self._refs.wsc, self._refs.tracker
+        if wsc is not None:
+            execute(wsc.drop_groups, self.model_tag, [group_info(g) for g in groups], END_OF_DATA)
+        elif tracker is not None:
+            tracker.increment(f"groups_dropped/{END_OF_DATA}", len(groups))
+        with self._lock:
+            self._store.pop_groups(list(range(len(groups))))
+        logger.warning(
+            "trajectory pool [%s]: end of the data: dropped %d groups (%d trajectories) that "
+            "do not fill a batch of %d; trajectory_pool.check_batch_ready_function="
+            "loaded_batch_finished trains them as a smaller final batch",
+            self.model_tag,
+            len(groups),
+            sum(len(g) for g in groups),
+            size,
         )
 
     def _plan(self, groups: list[GroupInfo], need: int) -> BatchPlan:

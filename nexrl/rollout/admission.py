@@ -20,6 +20,11 @@ Routing of `complete` (docs/rollout.md):
               `tail_trigger` wait, or when the loader runs dry
     DROPPED   counted (DAPO dynamic sampling)
 
+End of the data (`end_of_data`): the loader is finished and every handed-out
+task is in the pool or a formed batch. The pool then forms a final smaller
+batch (`loaded_batch_finished`) or drops the remainder (`drop_groups`,
+counted as `groups_dropped/end_of_data`).
+
 The ledger `tasks_in/train = tasks_trained + dropped + failed + queued` holds at
 any time because every hand-out and every route is counted here.
 
@@ -295,6 +300,37 @@ class TaskAdmission:
                 "by a rollout worker, so its task cannot be re-queued"
             )
         return state.pooled.pop(group.task_id, None)
+
+    # -- end of the data ---------------------------------------------------------------
+    def end_of_data(self, tag: ModelTag) -> bool:
+        """No more training groups of `tag` will arrive: the loader is finished and every
+        handed-out task not trained sits in a pool (a complete group) or a formed batch.
+        A task between its pool put and its `complete` counts as still in flight, so the
+        answer is exact, not a race on worker activity."""
+        with self._io:
+            if self._loader is None or not execute(self._loader.is_finished):
+                return False
+            with self._cond:
+                placed = {i for state in self._tags.values() for i in state.pooled}
+                for state in self._tags.values():
+                    placed.update(i for ids in state.formed.values() for i in ids)
+                return set(self._live) <= placed
+
+    def drop_groups(self, tag: ModelTag, groups: list[GroupInfo], reason: str) -> int:
+        """Settle pooled groups that will never be trained (the remainder at the end of the
+        data that does not fill a batch): counted as `groups_dropped/<reason>`. Returns how
+        many tasks (groups without a task id count one each)."""
+        with self._cond:
+            state = self._state(tag)
+            ids = {g.task_id for g in groups if g.task_id is not None}
+            tasks = [state.pooled.pop(i) for i in sorted(ids) if i in state.pooled]
+            state.ledger.release(len(tasks))
+            self._cond.notify_all()
+        for task in tasks:
+            self._settled(task)
+        n = len(ids) + sum(g.task_id is None for g in groups)
+        self._count(f"groups_dropped/{reason}", n)
+        return n
 
     # -- exactly once across crashes -----------------------------------------------------
     def mark_trained(self, tag: ModelTag, trained: int) -> int:

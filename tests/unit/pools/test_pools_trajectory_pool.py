@@ -33,6 +33,13 @@ class RecordingWeightSync:
             index, self.formed = self.formed, self.formed + 1
         return BatchPlan(index=index, take=take, stale=stale)
 
+    def end_of_data(self, model_tag):
+        return True  # every handed-out task has arrived (the loader and tracker decide)
+
+    def drop_groups(self, model_tag, groups, reason):
+        self.calls.append((model_tag, len(groups), reason))
+        return len(groups)
+
 
 def traj(uid: str, i: int = 0, **kw) -> dict:
     base = {"uid": uid, "i": i, "reward": float(i), "prompt_ids": [1], "response_ids": [2]}
@@ -46,7 +53,8 @@ def group(uid: str, n: int, **kw) -> list[dict]:
 def make_pool(**cfg) -> tuple[TrajectoryPool, RecordingWeightSync]:
     pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2, **cfg))
     wsc = RecordingWeightSync()
-    pool.set_module_references(InMemoryDataLoader(items=[]), wsc)
+    # data left in the loader: not the end of the data, so short batches wait
+    pool.set_module_references(InMemoryDataLoader(items=[{"prompt": "x"}]), wsc)
     return pool, wsc
 
 
