@@ -55,16 +55,17 @@ from nexrl.models.tiny import build_tiny_qwen2
 VARIANTS: dict[str, list[str]] = {
     "sync": ["weight.sync_mode=sync"],
     "batch-async(1)": ["weight.sync_mode=batch-async", "weight.staleness_threshold=1"],
+    # the fully-async default: pushes swap weights under running requests (in-flight)
     "fully-async(1)": ["weight.sync_mode=fully-async", "weight.staleness_threshold=1"],
+    "fully-async(1)+abort": [
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=1",
+        "weight.inflight_weight_update=false",
+    ],
     "fully-async(1)+partial": [
         "weight.sync_mode=fully-async",
         "weight.staleness_threshold=1",
         "weight.enable_partial_rollout=true",
-    ],
-    "fully-async(1)+inflight": [
-        "weight.sync_mode=fully-async",
-        "weight.staleness_threshold=1",
-        "weight.inflight_weight_update=true",
     ],
 }
 HEADLINE = "fully-async(1)"
@@ -205,7 +206,7 @@ def calibrate(sync_cpu: dict[str, Any], max_tokens: int) -> float:
     return sync_cpu["train_s"] / (1 + max_tokens)
 
 
-SWEPT = (HEADLINE, "fully-async(1)+inflight")
+SWEPT = (HEADLINE, "fully-async(1)+abort")
 
 
 def run_sweep(tmp: Path, model: Path, latency: float) -> list[dict[str, Any]]:

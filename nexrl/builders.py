@@ -135,7 +135,8 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
     from nexrl.weight_sync import WeightSyncController
 
     backend = cfg.service.inference_service.backend
-    if cfg.weight.inflight_weight_update and backend not in ("builtin", "remote"):
+    capable = backend in ("builtin", "remote")
+    if cfg.weight.inflight_weight_update and not capable:
         raise ValueError(
             f"weight.inflight_weight_update=true needs the built-in engine (backend builtin, "
             f"or remote to a `nexrl serve`); service.inference_service.backend is {backend!r}"
@@ -146,6 +147,7 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
         cfg.train_worker.sync_weight_path,
         groups_per_batch=groups_per_batch(cfg),
         max_task_retries=cfg.rollout_worker.max_task_retries,
+        inflight_capable=capable,
     )
 
 

@@ -52,9 +52,10 @@ class WeightSyncController(NexRLModule):
         sync_weight_path: str,
         groups_per_batch: int,
         max_task_retries: int,
+        inflight_capable: bool = True,
     ) -> None:
         super().__init__()
-        self.policy = SamplePolicy.from_config(config, groups_per_batch)
+        self.policy = SamplePolicy.from_config(config, groups_per_batch, inflight_capable)
         self._sync_mode = self.policy.sync_mode
         self._validate_freq = config.validate_freq
         self._llm_client = llm_client

@@ -180,10 +180,13 @@ class WeightConfig:
     enable_partial_rollout: bool = False
     """fully-async: a weight push aborts running requests; keep their tokens and
     continue them on the new weights (else re-queue the task at the front)."""
-    inflight_weight_update: bool = False
+    inflight_weight_update: bool | None = None
     """fully-async: a push swaps the weights under running requests instead of
     aborting them; they continue on the new weights with their cached prefix and
-    per-token versions. Needs the built-in engine (in-process or `nexrl serve`)."""
+    per-token versions. Needs the built-in engine (in-process or `nexrl serve`).
+    null: on in fully-async with the built-in engine (measured faster, docs/async.md)
+    unless `enable_partial_rollout` or `tail_batch_candidate_steps` ask for aborts;
+    false: a push aborts running requests."""
     tail_batch_candidate_steps: int = 0
     """A task aborted more than this many times waits in the tail-batch candidate
     pool (0: no tail batch)."""

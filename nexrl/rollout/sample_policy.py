@@ -51,9 +51,13 @@ class SamplePolicy:
     groups_per_batch: int | None = None  # None: admission off (unit tests of the sync gate)
 
     @classmethod
-    def from_config(cls, config: WeightConfig, groups_per_batch: int | None) -> SamplePolicy:
+    def from_config(
+        cls, config: WeightConfig, groups_per_batch: int | None, inflight_capable: bool = True
+    ) -> SamplePolicy:
         """The policy of the `weight.*` section; `groups_per_batch` is the pool's
-        `batch_size // group_size` (None: admission off, for unit tests only)."""
+        `batch_size // group_size` (None: admission off, for unit tests only).
+        `inflight_weight_update: null` becomes true in fully-async when the engine can
+        swap weights under running requests (`inflight_capable`), else false."""
         mode = config.sync_mode
         if mode not in SYNC_MODES:
             raise ValueError(f"weight.sync_mode={mode!r}; valid choices: {', '.join(SYNC_MODES)}")
@@ -62,7 +66,7 @@ class SamplePolicy:
             staleness_threshold=0 if mode == "sync" else config.staleness_threshold,
             over_sample_threshold=config.over_sample_threshold,
             enable_partial_rollout=config.enable_partial_rollout,
-            inflight_weight_update=config.inflight_weight_update,
+            inflight_weight_update=resolve_inflight(config, inflight_capable),
             tail_batch_candidate_steps=config.tail_batch_candidate_steps,
             tail_batch_trigger_size=config.tail_batch_trigger_size,
             sync_every=1 if mode == "sync" else config.sync_every,
@@ -101,6 +105,16 @@ class SamplePolicy:
     def tail_trigger(self) -> int:
         """Candidates that trigger a tail batch (0 in config: one batch worth of groups)."""
         return self.tail_batch_trigger_size or (self.groups_per_batch or 1)
+
+
+def resolve_inflight(config: WeightConfig, capable: bool) -> bool:
+    """`weight.inflight_weight_update: null` is on in fully-async when the engine can swap
+    weights under running requests, unless partial rollout or the tail batch is asked
+    for: both act on aborted requests, so asking for them asks for aborts."""
+    if config.inflight_weight_update is not None:
+        return bool(config.inflight_weight_update)
+    wants_aborts = config.enable_partial_rollout or config.tail_batch_candidate_steps > 0
+    return config.sync_mode == "fully-async" and capable and not wants_aborts
 
 
 @dataclass

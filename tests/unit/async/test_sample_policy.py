@@ -177,3 +177,32 @@ def test_random_schedules_never_train_a_sample_beyond_the_bound(k, gpb, f, actio
         in_pool = pool.num_ready() // 2
         assert state["outstanding"] == len(running) + in_pool  # the ledger is exact
         assert state["outstanding"] <= (k + 1) * gpb + int(-(-f * gpb // 1))
+
+
+@pytest.mark.parametrize(
+    ("extra", "capable", "expected"),
+    [
+        ({"sync_mode": "fully-async"}, True, True),  # the default where it can work
+        ({"sync_mode": "fully-async"}, False, False),  # an engine that cannot swap mid-request
+        ({"sync_mode": "batch-async"}, True, False),
+        ({"sync_mode": "sync"}, True, False),
+        ({"sync_mode": "fully-async", "enable_partial_rollout": True}, True, False),
+        ({"sync_mode": "fully-async", "tail_batch_candidate_steps": 1}, True, False),
+        ({"sync_mode": "fully-async", "inflight_weight_update": False}, True, False),
+        ({"sync_mode": "fully-async", "inflight_weight_update": True}, True, True),
+    ],
+)
+def test_inflight_update_default_follows_the_mode_and_the_engine(extra, capable, expected):
+    policy = SamplePolicy.from_config(WeightConfig(**extra), 2, inflight_capable=capable)
+    assert policy.inflight_weight_update is expected
+
+
+def test_default_run_config_leaves_inflight_to_the_mode():
+    from nexrl.builders import build_weight_sync_controller
+    from nexrl.config import load_config
+
+    fully = build_weight_sync_controller(load_config(["weight.sync_mode=fully-async"]))
+    hf = build_weight_sync_controller(
+        load_config(["weight.sync_mode=fully-async", "service.inference_service.backend=hf"])
+    )
+    assert fully.policy.inflight_weight_update and not hf.policy.inflight_weight_update

@@ -105,7 +105,7 @@ def test_batch_async_push_waits_for_running_rollouts():
 
 
 def test_fully_async_push_aborts_running_requests_under_a_block():
-    wsc, _, _, client, _ = make(mode="fully-async")
+    wsc, _, _, client, _ = make(mode="fully-async", inflight_weight_update=False)
     seen = {}
     client.on_abort = lambda: seen.update(
         status=wsc.check_rollout_service_status("default"),
