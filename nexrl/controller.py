@@ -48,6 +48,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from nexrl.distributed.recovery import ActorRestartedError
 from nexrl.execute import execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
@@ -83,6 +84,9 @@ class NexRLController:
         self._monitor = self._config.runtime_monitor
         self._next_health_check = 0.0
         self._next_error_check = 0.0
+        self._next_restart_check = 0.0
+        self.rewinds: list[tuple[int, list[str]]] = []
+        """(checkpoint step, restarted actor groups) per Ray rewind (docs/reliability.md)."""
         self.final_metrics: dict[str, float] = {}
         self.dashboard: Dashboard | None = None
 
@@ -102,17 +106,60 @@ class NexRLController:
             if validate_first:
                 self._wait_validate()
                 self._end_validate(self._tag)
-            while not self._check_finish():
-                self._check_module_exceptions_periodically()
-                self._check_module_liveness_periodically()
-                if execute(s.weight_sync_controller.is_waiting_for_validation):
-                    self._run_validate(self._tag)
+            while not self._watch_once():
                 time.sleep(0.02)
             if self._last_validated_step != self._train_step():
                 self._run_validate(self._tag)
         finally:
             self._stop()
         return self.final_metrics
+
+    def _watch_once(self) -> bool:
+        """One pass of the watch loop; True once training is done. A Ray actor restart
+        (noticed by its note, or by a call that reached the fenced actor, or by the
+        errors those calls raised) rewinds the run to its last checkpoint."""
+        try:
+            if self._check_finish():
+                return True
+            self._check_module_exceptions_periodically()
+            self._check_module_liveness_periodically()
+            if execute(self.system.weight_sync_controller.is_waiting_for_validation):
+                self._run_validate(self._tag)
+        except (ActorRestartedError, TrainingAborted):
+            if not self._rewind_after_restart(settle=True):
+                raise
+            return False
+        if time.monotonic() >= self._next_restart_check:
+            self._next_restart_check = time.monotonic() + 0.2
+            self._rewind_after_restart()
+        return False
+
+    def _rewind_after_restart(self, settle: bool = False) -> bool:
+        """Ray: rewind to the last complete checkpoint if a module actor restarted (its state
+        is gone: nexrl/distributed/recovery.py); False when none did."""
+        restarted = self.system.restarted_actors(settle)
+        if not restarted:
+            return False
+        from nexrl.distributed.recovery import describe, quiesce_and_reset, restart_loops
+
+        folder = self._config.train_worker.checkpoint_path
+        path = find_latest_checkpoint(folder)
+        if path is None:
+            raise TrainingAborted(
+                f"Ray actor(s) {describe(restarted)} restarted and lost their state (task "
+                f"ledger, pools, loader position or optimizer); no complete checkpoint under "
+                f"{folder} to rewind to (set train_worker.save_freq)"
+            )
+        before = execute(self.activity_tracker.get_training_step)  # the train actor may be fenced
+        logger.warning("Ray actor(s) %s restarted: rewinding to %s", describe(restarted), path)
+        quiesce_and_reset(self.system, restarted)
+        step = self._restore_checkpoint(path)
+        restart_loops(self.system)
+        execute(self.activity_tracker.increment, "recovery/rewinds")
+        execute(self.activity_tracker.increment, "recovery/steps_redone", max(0, before - step))
+        self.rewinds.append((step, sorted(restarted)))
+        logger.warning("rewound to step %d (was at step %d)", step, before)
+        return True
 
     def _start_dashboard(self) -> None:
         d = self._config.dashboard
@@ -176,8 +223,12 @@ class NexRLController:
     def _load_initial_checkpoint(self) -> None:
         """Fresh start: both sides loaded `model_path` (version 0). Resume: load and push."""
         path = self._load_resume_checkpoint()
-        if path is None:
-            return
+        if path is not None:
+            self._restore_checkpoint(path)
+
+    def _restore_checkpoint(self, path: str) -> int:
+        """Weights, optimizer and step, the loader state and the pending tasks of `path`;
+        the weights are pushed as version `step`. Returns the step."""
         s = self.system
         state = execute(s.train_workers[0].load_checkpoint, path)
         if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
@@ -196,6 +247,7 @@ class NexRLController:
             state["step"],
             len(pending),
         )
+        return int(state["step"])
 
     def _load_resume_checkpoint(self) -> str | None:
         resume = self._config.resume

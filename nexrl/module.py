@@ -78,6 +78,7 @@ class LoopThread:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
+        self.error = None  # a loop started again (after a rewind) starts healthy
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
@@ -112,6 +113,11 @@ class LoopModule(NexRLModule):
         self._loop.start()
 
     def stop(self) -> None:
+        self._loop.stop()
+
+    def pause(self) -> None:
+        """Stop the loop but keep what `stop` releases (reward workers): `run` resumes it
+        (a Ray rewind pauses every loop, restores a checkpoint, then runs them again)."""
         self._loop.stop()
 
     def health_check(self) -> bool:

@@ -78,6 +78,11 @@ class ModuleSystem:
         execute(wsc.set_module_references, loader, pool, self.validate_dataloader)
         execute(self.validator.set_module_references, self.validate_dataloader)
 
+    def restarted_actors(self, settle: bool = False) -> dict[str, list[str]]:
+        """Actor group -> module keys, for Ray actors that restarted since the last call
+        (`settle`: first wait for actors being restarted to come back)."""
+        return {}
+
     def loops(self) -> list[Any]:
         return [*self.train_workers, self.algorithm_processor, *self.rollout_workers]
 

@@ -159,6 +159,18 @@ class WeightSyncController(NexRLModule):
         self.admission.set_formed(model_tag, step)
         self.sync_weight_to_rollout_service(model_tag)
 
+    def reset_tasks(self) -> None:
+        """A Ray rewind: forget every task and batch (the checkpoint's pending tasks come
+        back through `restore_tasks`), and any pending validation or push state."""
+        self.admission.reset()
+        with self._lock:
+            self._pushing.clear()
+            self._trained.clear()
+            self._syncs_since_validate = 0
+            self._waiting_for_validation = False
+            self._validating = False
+            self._lock.notify_all()
+
     def checkpoint_tasks(self, model_tag: ModelTag, trained: int) -> dict[str, Any]:
         """For the checkpoint of step `trained`: the loader state and the pending tasks,
         taken together (`TaskAdmission.checkpoint_state`)."""

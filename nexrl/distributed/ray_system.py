@@ -156,6 +156,15 @@ class RaySystem(ModuleSystem):
             self.resource_manager.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
         )
 
+    def restarted_actors(self, settle: bool = False) -> dict[str, list[str]]:
+        """Module actors that restarted since the last call; they stay fenced (calls raise
+        `ActorRestartedError`) until `unfence` (nexrl/distributed/recovery.py). `settle`:
+        first wait (up to `ray.execute_timeout_s`) for actors Ray is restarting."""
+        return self.resource_manager.restarted(settle, self.settings.execute_timeout_s)
+
+    def unfence(self, groups: list[str]) -> None:
+        self.resource_manager.unfence(groups)
+
     def shutdown(self) -> None:
         """Kill every actor of this run (and Ray itself if this system started it)."""
         self.resource_manager.kill_all()

@@ -20,15 +20,23 @@ calls from other actors and health checks run concurrently instead of deadlockin
 Restarts (`max_restarts > 0`): Ray re-runs `ModuleActor.__init__`, which rebuilds the
 modules from the config and replays the setup calls recorded in a `SetupJournal` actor
 (`set_module_name`, `set_activity_tracker`, `set_module_references`,
-`initialize_workers`, `run`), so the group rejoins the run. In-memory state (pool
-contents, loader position, engine weights) is NOT recovered: restart suits roles whose
-state is re-derived (rollout workers; the rollout group gets current weights at the next
-weight push). Work the dead modules had in flight is dropped from the activity tracker.
+`initialize_workers`; not `run`), so the group rejoins the run. In-memory state (pool
+contents, loader position, the task ledger of the weight-sync controller, optimizer
+state, engine weights) is NOT rebuilt in place: the restarted actor is *fenced* (every
+module call but `stop` / `health_check` raises `ActorRestartedError`, so no surviving
+module reads or writes its fresh state and no checkpoint can be saved from it) and
+notes its restart in the journal. The controller sees the note (`restarted()`), pauses
+every loop, lifts the fence (`unfence`) and rewinds the whole run to its last complete
+checkpoint, whose loader state and pending tasks restore the ledger exactly
+(`nexrl.distributed.recovery`, docs/reliability.md). Without a checkpoint the run stops
+with an error naming the actor. Work the dead modules had in flight is dropped from the
+activity tracker.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +44,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
+from nexrl.distributed.recovery import ActorRestartedError
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
@@ -75,6 +84,8 @@ JOURNALED = frozenset(
         "run",
     }
 )
+NOT_REPLAYED = frozenset({"run"})  # a restarted actor's loops start after the rewind
+THROUGH_FENCE = frozenset({"stop", "pause", "health_check", "get_module_name"})
 
 
 class SetupJournal:
@@ -82,12 +93,22 @@ class SetupJournal:
 
     def __init__(self) -> None:
         self._entries: dict[str, list[tuple[str, str, tuple, dict]]] = {}
+        self._restarts: list[str] = []
 
     def append(self, actor_id: str, key: str, method: str, args: tuple, kwargs: dict) -> None:
         self._entries.setdefault(actor_id, []).append((key, method, args, kwargs))
 
     def entries(self, actor_id: str) -> list[tuple[str, str, tuple, dict]]:
         return list(self._entries.get(actor_id, []))
+
+    def note_restart(self, actor_id: str) -> None:
+        """A restarted actor rebuilt its modules (called before it serves any call)."""
+        self._restarts.append(actor_id)
+
+    def restarts(self) -> list[str]:
+        """The actors that restarted since the last call (each once)."""
+        out, self._restarts = self._restarts, []
+        return out
 
 
 class ModuleActor:
@@ -99,8 +120,10 @@ class ModuleActor:
         specs: list[tuple[str, Builder, int]],
         journal: Any = None,
         tracker: Any = None,
+        group: str = "",
     ) -> None:
         self._modules: dict[str, Any] = {}
+        self._fence: str | None = None
         actor_id = _current_actor_id() or "driver"
         for role, builder, count in specs:
             for i in range(count):
@@ -109,6 +132,11 @@ class ModuleActor:
                 _LOCAL_MODULES[(actor_id, key)] = self._modules[key]
         if journal is not None and ray.get_runtime_context().was_current_actor_reconstructed:
             self._replay(ray.get(journal.entries.remote(actor_id)), tracker)
+            self._fence = (
+                f"Ray actor {group!r} ({', '.join(sorted(self._modules))}) restarted and lost "
+                "its in-memory state; the run rewinds to its last checkpoint"
+            )
+            ray.get(journal.note_restart.remote(actor_id))
 
     def _replay(self, entries: list[tuple[str, str, tuple, dict]], tracker: Any) -> None:
         names = [args[0] for _, method, args, _ in entries if method == "set_module_name"]
@@ -117,7 +145,8 @@ class ModuleActor:
             for name in names:
                 ray.get(tracker.forget_module.remote(name))
         for key, method, args, kwargs in entries:
-            getattr(self._modules[key], method)(*args, **kwargs)
+            if method not in NOT_REPLAYED:
+                getattr(self._modules[key], method)(*args, **kwargs)
 
     def method_names(self) -> dict[str, list[str]]:
         """Module key -> its public method names (what the wrappers rebind)."""
@@ -125,6 +154,8 @@ class ModuleActor:
 
     def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """`modules[key].method(*args, **kwargs)`: the one entry point of every wrapper."""
+        if self._fence is not None and method not in THROUGH_FENCE:
+            raise ActorRestartedError(f"{key}.{method}: {self._fence}")
         try:
             module = self._modules[key]
         except KeyError:
@@ -134,6 +165,14 @@ class ModuleActor:
 
     def ping(self) -> bool:
         return True
+
+    def unfence(self) -> None:
+        """The controller stopped every loop: calls reach the rebuilt modules again."""
+        self._fence = None
+
+    def pid(self) -> int:
+        """The actor's process id (fault-injection tests kill it)."""
+        return os.getpid()
 
 
 class RemoteMethod:
@@ -268,7 +307,7 @@ class RayResourceManager:
         for group, regs in groups.items():
             specs = [(r.role, r.builder, r.count) for r in regs]
             self.actors[group] = self._actor_class(group).remote(
-                self._config, specs, self._journal, self._tracker
+                self._config, specs, self._journal, self._tracker, group
             )
             pending[group] = self.actors[group].method_names.remote()
         for group, ref in pending.items():
@@ -322,6 +361,27 @@ class RayResourceManager:
             if _role_name(reg.role) == _role_name(role):
                 return reg.group
         raise KeyError(f"role {_role_name(role)!r} is not registered")
+
+    def restarted(self, settle: bool = False, timeout: float = 600.0) -> dict[str, list[str]]:
+        """Colocation group -> its module keys, for each actor that restarted since the
+        last call (fenced until `unfence`); empty without restarts enabled. `settle`: first
+        wait until every actor answers a ping (one being restarted answers once rebuilt,
+        after its note; a dead one fails at once)."""
+        if self._journal is None:
+            return {}
+        if settle:
+            pings = [a.ping.remote() for a in self.actors.values()]
+            ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        ids = set(ray.get(self._journal.restarts.remote()))
+        groups = [g for g, actor in self.actors.items() if actor._actor_id.hex() in ids]
+        return {g: self._module_keys(g) for g in groups}
+
+    def _module_keys(self, group: str) -> list[str]:
+        regs = [r for r in self._registrations if r.group == group]
+        return [module_key(r.role, i) for r in regs for i in range(r.count)]
+
+    def unfence(self, groups: list[str]) -> None:
+        ray.get([self.actors[g].unfence.remote() for g in groups])
 
     def kill_all(self) -> None:
         """Kill every actor this manager created (no restart)."""

@@ -186,6 +186,10 @@ class ActivityTracker:
     def get_error_health_status(self) -> dict[str, Any]:
         return self.error_reporter.get_health_status()
 
+    def clear_errors(self) -> None:
+        """Forget the reported errors (after a Ray rewind: they came from fenced calls)."""
+        self.error_reporter.clear()
+
     # ---- counters, step, logging -----------------------------------------
     def increment(self, name: str, n: int = 1) -> int:
         with self._cond:

@@ -53,6 +53,11 @@ class TrainBatchPool(NexRLModule):
             return next((q for q in self._queues.values() if q), None)
         return self._queues.get(model) or None
 
+    def clear(self) -> None:
+        """Drop every queued batch (a Ray rewind to a checkpoint)."""
+        with self._lock:
+            self._queues.clear()
+
     def is_empty(self) -> bool:
         with self._lock:
             return not any(self._queues.values())

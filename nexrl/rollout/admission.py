@@ -372,6 +372,14 @@ class TaskAdmission:
             self.requeue(task)
         return len(pending)
 
+    def reset(self) -> None:
+        """Forget every tag's ledger and every handed-out task (a Ray rewind restores them
+        from a checkpoint). Task ids keep counting, so none is reused."""
+        with self._io, self._cond:
+            self._tags.clear()
+            self._live.clear()
+            self._cond.notify_all()
+
     def pending_count(self) -> int:
         """Handed-out training tasks not yet trained, dropped, failed or given back."""
         with self._io:

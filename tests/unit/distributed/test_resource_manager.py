@@ -7,6 +7,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from nexrl.distributed.recovery import ActorRestartedError
 from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager
 from nexrl.distributed.settings import RaySettings, actor_env
 from nexrl.execute import ModuleDiedError, execute
@@ -131,9 +132,15 @@ def test_a_restarted_actor_replays_its_setup_and_drops_lost_work(ray_local):
     old_pid = execute(module.pid)
     ray.kill(manager.actors["data"], no_restart=False)
     deadline = time.monotonic() + 60
-    while execute(module.pid, timeout=60) == old_pid and time.monotonic() < deadline:
-        time.sleep(0.05)  # calls are retried on the restarted actor (max_task_retries)
-    assert execute(module.get_module_name) == "validator"  # replayed from the journal
+    with pytest.raises(ActorRestartedError, match="'data' \\(validator_0\\) restarted"):
+        while time.monotonic() < deadline:  # retried on the restarted actor, which is fenced
+            execute(module.pid, timeout=60)
+            time.sleep(0.05)
+    assert manager.restarted() == {"data": ["validator_0"]}
+    assert manager.restarted() == {}  # each restart is reported once
+    assert execute(module.get_module_name) == "validator"  # through the fence; replayed
+    manager.unfence(["data"])
+    assert execute(module.pid) != old_pid
     assert execute(module.__len__) == 10  # rebuilt from the config
     assert execute(tracker.is_quiescent)
     manager.kill_all()
