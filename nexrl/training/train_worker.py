@@ -15,7 +15,9 @@ import shutil
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,24 @@ from nexrl.types import DEFAULT_MODEL_TAG, Batch
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "nexrl_state.json"
+
+
+@dataclass
+class PhaseTimer:
+    """Seconds per phase of one train step, logged as `timing/<phase>_s`."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{name}_s": s for name, s in self.seconds.items()}
 
 
 def staleness_metrics(step: int, min_versions: list[int], serving_version: int) -> dict[str, Any]:
@@ -109,6 +129,7 @@ class TrainWorker(LoopModule):
         self._model_tag = DEFAULT_MODEL_TAG
         self._step = 0
         self._last_step_end: float | None = None
+        self._last_push: dict[str, float] = {}  # the previous step's push, logged with this one
         self._train_batch_pool: TrainBatchPoolLike | None = None
         self._weight_sync_controller: WeightSyncLike | None = None
         self._dataloader: DataLoaderLike | None = None
@@ -147,32 +168,43 @@ class TrainWorker(LoopModule):
         return True
 
     def _step_batch(self, batch: Batch) -> None:
+        """One step. Phases timed (`timing/<phase>_s`): ref (reference logprobs), old
+        (old-policy logprobs; absent when the update's forward makes them), update,
+        save, export (weights to the sync buffer) and push (the notify that, in sync
+        mode, pushes them to the engine; logged with the next step's metrics)."""
         t0 = time.perf_counter()
+        timer = PhaseTimer()
         if "ref_logprobs" not in batch.values:
-            ref = self._client.compute_ref_logprobs(batch)
+            with timer.phase("ref"):
+                ref = self._client.compute_ref_logprobs(batch)
             if ref is not None:
                 batch.values["ref_logprobs"] = ref
-        metrics = self._update(batch)
+        metrics = self._update(batch, timer)
         if "old_logprobs" in batch.values:  # absent when the update's forward made them
             metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
         step = self._step + 1
         self._log_trained(step, batch)
         if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
-            self.save_checkpoint(step)
-        self.export_sync_weights()
+            with timer.phase("save"):
+                self.save_checkpoint(step)
+        with timer.phase("export"):
+            self.export_sync_weights()
         serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
-        self._log(batch, metrics, t0, serving, step)
+        metrics_timing = {**timer.metrics(), **self._last_push}
+        self._log(batch, metrics, t0, serving, step, metrics_timing)
         self._activity_tracker.set_training_step(step)
         uids = batch.metadata.get("uids") or []
         self._activity_tracker.increment("tasks_trained", len(set(uids)))  # ledger: groups
+        t_push = time.perf_counter()
         execute(
             self._weight_sync_controller.train_worker_notify_weight_update,
             self._module_name,
             self._model_tag,
         )
+        self._last_push = {"timing/push_s": time.perf_counter() - t_push}
         self._step = step  # visible to the controller only once the new weights are served
 
-    def _update(self, batch: Batch) -> dict[str, float]:
+    def _update(self, batch: Batch, timer: PhaseTimer | None = None) -> dict[str, float]:
         """`ppo_epochs` passes over `num_mini_batches` slices: one optimizer step per slice.
 
         Old logprobs stay those of the weights before the first slice, so from the
@@ -182,23 +214,32 @@ class TrainWorker(LoopModule):
         engine takes old logprobs from the update's own forward, detached
         (`fills_old_logprobs`), skips the extra no-grad pass: same loss, same gradient.
         """
+        timer = timer or PhaseTimer()
         slices = mini_batches(len(batch), self._num_mini_batches)
         one_step = len(slices) == 1 and self._ppo_epochs == 1
         if one_step and getattr(self._client, "fills_old_logprobs", False):
             batch.values.pop("old_logprobs", None)
         else:
-            batch.values["old_logprobs"] = self._client.compute_logprobs(batch)
+            with timer.phase("old"):
+                batch.values["old_logprobs"] = self._client.compute_logprobs(batch)
         history: list[dict[str, float]] = []
-        for _ in range(self._ppo_epochs):
-            for rows in slices:
-                part = batch.select(rows) if len(slices) > 1 else batch
-                history.append(
-                    self._client.train_batch(part, self._loss_fn, dict(self._loss_kwargs))
-                )
+        with timer.phase("update"):
+            for _ in range(self._ppo_epochs):
+                for rows in slices:
+                    part = batch.select(rows) if len(slices) > 1 else batch
+                    history.append(
+                        self._client.train_batch(part, self._loss_fn, dict(self._loss_kwargs))
+                    )
         return {k: statistics.fmean(h[k] for h in history) for k in history[0]}
 
     def _log(
-        self, batch: Batch, metrics: dict[str, float], t0: float, serving: int, step: int
+        self,
+        batch: Batch,
+        metrics: dict[str, float],
+        t0: float,
+        serving: int,
+        step: int,
+        timing: dict[str, float],
     ) -> None:
         now = time.perf_counter()
         elapsed = now - (self._last_step_end if self._last_step_end is not None else t0)
@@ -210,6 +251,9 @@ class TrainWorker(LoopModule):
             **staleness_metrics(step - 1, batch.metadata["min_token_versions"], serving),
             "timing/step_s": elapsed,
             "timing/train_s": now - t0,
+            # waiting for the batch: what the step took beyond training and the last push
+            "timing/wait_s": max(0.0, elapsed - (now - t0) - timing.get("timing/push_s", 0.0)),
+            **timing,
             "throughput/samples_per_s": len(batch) / elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
         }

@@ -31,6 +31,25 @@ def test_run_writes_metrics_config_and_checkpoints(small_config):
     assert step_line["staleness/max"] == 0  # sync mode trains on-policy only
     assert step_line["rollout/serving_version"] == 1
     assert step_line["train/behavior_old_logprob_absdiff"] < 1e-4
+    check_phase_timings(lines)
+
+
+def check_phase_timings(lines):
+    """Each step's time is split into its phases: waiting for the batch, the update,
+    the checkpoint when one is saved, the weight export and the previous step's push."""
+    steps = {line["step"]: line for line in lines if "train/loss" in line}
+    for step, line in steps.items():
+        assert {"timing/wait_s", "timing/update_s", "timing/export_s"} <= line.keys()
+        assert ("timing/push_s" in line) == (step > 1)  # a push is logged with the next step
+        assert ("timing/save_s" in line) == (step in (2, 3))  # save_freq 2, and the last step
+        assert "timing/old_s" not in line  # on-policy: the update's forward made them
+        parts = sum(
+            v
+            for k, v in line.items()
+            if k.startswith("timing/") and k not in ("timing/step_s", "timing/train_s")
+        )
+        assert parts <= line["timing/step_s"] + 1e-6
+        assert line["timing/update_s"] <= line["timing/train_s"]
 
 
 def test_resume_auto_continues_from_the_newest_checkpoint(small_config, tmp_path):
