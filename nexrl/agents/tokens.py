@@ -18,15 +18,19 @@ difference between the renderings of `messages[:k+1]` and `messages[:k]`,
 taken against what was really accumulated, so the tokens a template writes
 after an assistant's end-of-turn token (ChatML's `\\n` after `<|im_end|>`)
 are not lost. A strict prefix check runs on every turn: the rendering of the
-history must start with the ids so far. A special token the engine sampled
-last in a turn (EOS) that the template does not render is kept (the policy
-must learn to stop) and skipped by the check. When the check fails, the
-template rewrote history (thinking templates drop earlier reasoning) or the
-engine's tokens are not the template's tokenization of their text: with
-`on_rewrite="error"` that is a `TemplateMismatchError` naming the turn and
-the first differing token; with `on_rewrite="split"` the current sample ends
-and a new one starts from the template's rendering (each sample trains its
-own turns, token-exact).
+history must start with the ids so far. Template ids must match exactly; an
+assistant turn must match by its ids or, when the engine sampled a tokenization
+of its text that is not the tokenizer's own (sampling does that: a real model
+writes `"}` + `}` where the tokenizer would write `"` + `}}`), by its text.
+The sample keeps the engine's ids either way (they are what the policy sampled
+and what the next turn is generated from); such turns are counted
+(`agent/retokenized_turns`). A special token the engine sampled last in a turn
+(EOS) that the template does not render is kept (the policy must learn to
+stop) and skipped by the check. When the check fails, the template rewrote
+history (thinking templates drop earlier reasoning): with `on_rewrite="error"`
+that is a `TemplateMismatchError` naming the turn and the first differing
+token; with `on_rewrite="split"` the current sample ends and a new one starts
+from the template's rendering (each sample trains its own turns, token-exact).
 
 Pass assistant messages to the history as the raw decoded text (the
 default): a template that re-renders parsed `tool_calls` in its own JSON
@@ -71,16 +75,78 @@ class TokenSample:
         return next((i for i, m in enumerate(self.loss_mask) if m), len(self.loss_mask))
 
 
-def _first_difference(acc: list[int], ghosts: set[int], rendered: list[int]) -> tuple[int, int]:
-    """Match `acc` against `rendered`, skipping unrendered ghosts; (acc index, rendered index)
-    where they first differ, or (len(acc), j) when all of `acc` matched up to `rendered[j]`."""
-    j = 0
-    for i, tok in enumerate(acc):
-        if j < len(rendered) and rendered[j] == tok:
-            j += 1
-        elif i not in ghosts:
-            return i, j
-    return len(acc), j
+def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal `mask` values: (start, end, value)."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((start, i, mask[start]))
+            start = i
+    return out
+
+
+class _Matcher:
+    """Matches accumulated ids against a rendering of the history (see the module docstring):
+    template ids exactly, policy turns by their ids or, failing that, by their text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.retokenized = 0  # policy turns matched by text only, in the last `match`
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def match(self, sample: TokenSample, rendered: list[int]) -> tuple[int, int]:
+        """(acc index, rendered index) where they first differ, or (len(acc), j) when all
+        of the accumulated ids matched up to `rendered[j]`."""
+        acc, j = sample.input_ids, 0
+        self.retokenized = 0
+        for start, end, policy in _spans(sample.loss_mask):
+            if not policy:
+                for i in range(start, end):
+                    if j >= len(rendered) or rendered[j] != acc[i]:
+                        return i, j
+                    j += 1
+                continue
+            k = self._policy_turn(acc[start:end], start, sample.ghosts, rendered, j)
+            if k is None:
+                return start + _common_prefix(acc[start:end], rendered[j:]), j
+            j = k
+        return len(acc), j
+
+    def _policy_turn(
+        self, ids: list[int], offset: int, ghosts: set[int], rendered: list[int], j: int
+    ) -> int | None:
+        kept = [t for i, t in enumerate(ids, offset) if i not in ghosts]
+        for turn in (ids, kept) if kept != ids else (ids,):
+            if rendered[j : j + len(turn)] == turn:
+                return j + len(turn)
+        for turn in (ids, kept) if kept != ids else (ids,):
+            k = self._by_text(self.text(turn), rendered, j)
+            if k is not None:
+                self.retokenized += 1
+                return k
+        return None
+
+    def _by_text(self, text: str, rendered: list[int], j: int) -> int | None:
+        """The end k of the shortest `rendered[j:k]` whose text is `text`, if there is one."""
+        for k in range(j + 1, len(rendered) + 1):
+            piece = self.text(rendered[j:k])
+            if piece == text:
+                return k
+            if len(piece) > len(text) or not text.startswith(piece.rstrip("\ufffd")):
+                return None
+        return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class MultiTurnTokens:
@@ -110,6 +176,8 @@ class MultiTurnTokens:
         self.messages: list[dict[str, Any]] = list(messages)
         self.turns = 0
         self._special = set(getattr(tokenizer, "all_special_ids", []))
+        self._matcher = _Matcher(tokenizer)
+        self.retokenized_turns = 0
         self._samples = [TokenSample()]
         self._samples[0].extend(self.render(self.messages), 0, None, None)
 
@@ -151,7 +219,8 @@ class MultiTurnTokens:
         history = self.messages + list(messages)
         rendered = self.render(history)
         sample = self._samples[-1]
-        i, j = _first_difference(sample.input_ids, sample.ghosts, rendered)
+        i, j = self._matcher.match(sample, rendered)
+        self.retokenized_turns = max(self.retokenized_turns, self._matcher.retokenized)
         if i < len(sample.input_ids):
             if self.on_rewrite == "error":
                 raise TemplateMismatchError(self._explain(sample.input_ids, rendered, i, j))
@@ -185,8 +254,8 @@ class MultiTurnTokens:
             f"turn {self.turns}: the chat template renders the history differently from the ids "
             f"accumulated so far, at token {i} (so far: ...{show(acc[max(0, i - 12) : i + 1])}, "
             f"template: ...{show(rendered[max(0, j - 12) : j + 1])}). The template rewrites "
-            "earlier turns (e.g. drops reasoning) or the engine's ids are not the template's "
-            "tokenization of their text; pass on_rewrite='split' to start a new sample instead."
+            "earlier turns (e.g. drops reasoning) or an assistant message's text is not the "
+            "text of its ids; pass on_rewrite='split' to start a new sample instead."
         )
 
     # -- results ---------------------------------------------------------------------------
@@ -202,4 +271,5 @@ class MultiTurnTokens:
             "agent/samples": len(self._samples),
             "agent/policy_tokens": policy,
             "agent/masked_tokens": masked,
+            "agent/retokenized_turns": self.retokenized_turns,
         }

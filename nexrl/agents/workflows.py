@@ -8,6 +8,7 @@ rollout worker's `reward_fn` scores the trajectory's `response`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nexrl.agents.loop import run_tool_episode
@@ -29,7 +30,21 @@ def _messages(data: dict[str, Any], prompt_key: str) -> list[dict[str, Any]]:
     raise ValueError(f"row {data.get('uid')!r}: column {prompt_key!r} is not text or messages")
 
 
+def _reward(value: Any, traj: Trajectory) -> float:
+    """A reward function's answer: a number, or a dict with `reward` (and `scores`)."""
+    if isinstance(value, Mapping):
+        if value.get("scores"):
+            traj["scores"] = dict(value["scores"])
+        return float(value["reward"])
+    return float(value)
+
+
 class _Base(RolloutWorkflow):
+    """Shared options: `prompt_key` (the row's text or chat column), `system_prompt` (a
+    system message when the prompt has none; the worker passes `data.system_prompt`),
+    `prefix_messages` (messages put before every prompt, after the system message:
+    instructions, worked examples), `max_tokens` and `temperature` per turn."""
+
     def __init__(
         self,
         config: Any = None,
@@ -37,9 +52,13 @@ class _Base(RolloutWorkflow):
         prompt_key: str = "prompt",
         max_tokens: int | None = None,
         temperature: float | None = None,
+        system_prompt: str | None = None,
+        prefix_messages: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
     ) -> None:
         self.reward_fn = reward_fn
         self.prompt_key = prompt_key
+        self.system_prompt = system_prompt
+        self.prefix_messages = [dict(m) for m in prefix_messages]
         self.sampling = SamplingParams(
             max_new_tokens=max_tokens or getattr(config, "max_tokens", 64),
             temperature=(
@@ -49,11 +68,21 @@ class _Base(RolloutWorkflow):
             top_k=getattr(config, "top_k", -1),
         )
 
+    def messages(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The opening chat of an episode: system message, prefix messages, the row's prompt."""
+        prompt = _messages(data, self.prompt_key)
+        system = [m for m in (*self.prefix_messages, *prompt) if m["role"] == "system"][:1]
+        if not system and self.system_prompt is not None:
+            system = [{"role": "system", "content": self.system_prompt}]
+        rest = [m for m in (*self.prefix_messages, *prompt) if m["role"] != "system"]
+        return [*system, *(dict(m) for m in rest)]
+
     def _finish(self, traj: Trajectory, data: dict[str, Any], completion: str) -> Trajectory:
         traj["response"] = completion
         if self.reward_fn is not None:
             rest = {k: v for k, v in data.items() if k != "prompt"}
-            traj["reward"] = float(self.reward_fn(data.get(self.prompt_key), completion, **rest))
+            value = self.reward_fn(data.get(self.prompt_key), completion, **rest)
+            traj["reward"] = _reward(value, traj)
         return traj
 
 
@@ -61,7 +90,7 @@ class SingleTurnWorkflow(_Base):
     """One assistant turn from the row's chat prompt."""
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
-        tokens = MultiTurnTokens(engine.tokenizer, _messages(data, self.prompt_key))
+        tokens = MultiTurnTokens(engine.tokenizer, self.messages(data))
         resp = await engine.agenerate(GenerationRequest(tokens.prompt_ids(), self.sampling))
         out = resp.outputs[0]
         tokens.add_assistant(out.output_ids, out.output_logprobs, out.output_versions)
@@ -85,9 +114,10 @@ class ToolWorkflow(_Base):
         parser: str = "hermes",
         max_turns: int = 4,
         on_rewrite: str = "error",
+        system_prompt: str | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(config, reward_fn, **kwargs)
+        super().__init__(config, reward_fn, system_prompt=system_prompt, **kwargs)
         self.tools = [import_object(t) if isinstance(t, str) else t for t in tools]
         self.parser = get_parser(parser)
         self.max_turns = max_turns
@@ -98,7 +128,7 @@ class ToolWorkflow(_Base):
         episode = await run_tool_episode(
             engine,
             engine.tokenizer,
-            _messages(data, self.prompt_key),
+            self.messages(data),
             env,
             self.parser,
             self.sampling,

@@ -148,10 +148,13 @@ def _output(choice: dict[str, Any]) -> GenerationOutput:
     )
 
 
-def build_workflow(config: RolloutWorkerConfig, reward_fn: RewardFn | None) -> RolloutWorkflow:
+def build_workflow(
+    config: RolloutWorkerConfig, reward_fn: RewardFn | None, system_prompt: str | None = None
+) -> RolloutWorkflow:
     """The configured workflow: `rollout_worker.workflow` (an import path; empty: the built-in
-    tool workflow) called with `rollout_worker.workflow_kwargs`, plus `config` (this section)
-    and `reward_fn` when its constructor takes parameters with those names."""
+    tool workflow) called with `rollout_worker.workflow_kwargs`, plus `config` (this section),
+    `reward_fn` and `system_prompt` (`data.system_prompt`) when its constructor takes
+    parameters with those names."""
     spec = config.workflow or DEFAULT_WORKFLOW
     try:
         cls = import_object(spec)
@@ -163,6 +166,8 @@ def build_workflow(config: RolloutWorkerConfig, reward_fn: RewardFn | None) -> R
         kwargs.setdefault("config", config)
     if "reward_fn" in params:
         kwargs.setdefault("reward_fn", reward_fn)
+    if "system_prompt" in params and system_prompt is not None:
+        kwargs.setdefault("system_prompt", system_prompt)
     try:
         workflow = cls(**kwargs)
     except TypeError as exc:
@@ -184,7 +189,7 @@ class AgentRolloutWorker(BaseRolloutWorker):
         workflow: RolloutWorkflow | None = None,
     ) -> None:
         super().__init__(config, llm_client, context, reward_fn)
-        self.workflow = workflow or build_workflow(config, reward_fn)
+        self.workflow = workflow or build_workflow(config, reward_fn, context.system_prompt)
 
     def engine(self, validate: bool) -> ClientEngine:
         return ClientEngine(

@@ -103,8 +103,10 @@ def test_tools_are_rendered(chatml_tok):
     assert '"name": "add"' in tok.decode(traj.prompt_ids())
 
 
-def test_drift_is_a_clear_error(chatml_tok):
-    """Engine ids that are not the template's tokenization of their text are detected."""
+def test_engine_tokenization_of_the_same_text_is_kept(chatml_tok):
+    """Engine ids that are not the tokenizer's own tokenization of their text (sampling does
+    that) pass the check by their text; the sample keeps the engine's ids, and the turn is
+    counted."""
     tok = chatml_tok
     traj = MultiTurnTokens(tok, [{"role": "user", "content": "q"}])
     canonical = tok("the answer", add_special_tokens=False)["input_ids"]
@@ -114,7 +116,24 @@ def test_drift_is_a_clear_error(chatml_tok):
     ids = canonical[:k] + by_bytes + canonical[k + 1 :] + [tok.eos_token_id]  # same text
     assert tok.decode(ids) == tok.decode(canonical + [tok.eos_token_id])
     assert ids != canonical + [tok.eos_token_id]
+    start = len(traj.prompt_ids())
     traj.add_assistant(ids, [0.0] * len(ids))
+    added = traj.add_messages(TOOL_MSG)
+    (sample,) = traj.samples()
+    assert sample.input_ids[start : start + len(ids)] == ids and sample.loss_mask[start] == 1
+    assert tok.decode(sample.input_ids) == tok.decode(traj.render(traj.messages))
+    assert added and traj.metrics()["agent/retokenized_turns"] == 1
+    traj.add_assistant(canonical + [tok.eos_token_id], [0.0] * (len(canonical) + 1))
+    traj.add_messages(TOOL_MSG)  # the earlier turn is still matched by its text
+    assert traj.metrics()["agent/samples"] == 1
+
+
+def test_other_text_is_a_clear_error(chatml_tok):
+    """An assistant message whose text is not the text of its ids fails the check."""
+    tok = chatml_tok
+    traj = MultiTurnTokens(tok, [{"role": "user", "content": "q"}])
+    ids = tok("the answer", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    traj.add_assistant(ids, [0.0] * len(ids), message={"role": "assistant", "content": "other"})
     with pytest.raises(TemplateMismatchError, match="turn 1: .* at token"):
         traj.add_messages(TOOL_MSG)
 
