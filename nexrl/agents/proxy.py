@@ -5,9 +5,13 @@ any `api_key`. Every chat completion of the session is served by an `InferenceEn
 (the run's engine, or the pipeline's `ClientEngine`, so weight-sync and versions apply),
 and the proxy records the exact prompt ids, sampled ids, logprobs and per-token versions.
 A reward comes from `POST /sessions/{id}/reward {"reward": x}` (the agent's side) or from
-`set_reward` (Python); `trajectories(session)` turns the session into one trajectory per
-completion (each is token-exact: the ids the engine saw and sampled), all carrying the
-session's reward.
+`set_reward` (Python); `trajectories(session)` turns the session into trajectories, all
+carrying the session's reward. A completion whose prompt ids extend an earlier
+completion's prompt and sampled ids exactly (the agent sent the conversation back and the
+template rendered it to the same ids) continues that completion's sample: one multi-turn
+trajectory, the ids in between (tool results, user turns, the next generation prompt)
+with loss_mask 0. Any other completion starts a sample of its own. Every sample is
+token-exact: the ids the engine saw and sampled.
 
 The request and response shapes are `nexrl serve`'s (nexrl.inference.api_models): tools
 are rendered by the chat template and the reply's calls come back as OpenAI `tool_calls`.
@@ -49,6 +53,43 @@ class RewardBody(BaseModel):
     reward: float
 
 
+def _ids(chain: dict[str, Any]) -> list[int]:
+    return chain["prompt_ids"] + chain["response_ids"]
+
+
+def merge_completions(completions: list[dict[str, Any]]) -> list[Trajectory]:
+    """Chain completions into multi-turn samples (see the module docstring).
+
+    A completion continues the chain whose ids so far (prompt, then every sampled and
+    in-between id) are the longest strict prefix of its prompt ids; otherwise it starts a
+    chain. The ids between two turns get loss_mask 0, logprob 0.0 and version -1 (the
+    pipeline gives them the oldest policy version). `turns` lists the merged completions'
+    `turn` indices."""
+    chains: list[dict[str, Any]] = []
+    for c in completions:
+        prompt = c["prompt_ids"]
+        extends = [
+            ch
+            for ch in chains
+            if len(_ids(ch)) < len(prompt) and prompt[: len(_ids(ch))] == _ids(ch)
+        ]
+        best = max(extends, key=lambda ch: len(_ids(ch)), default=None)
+        if best is None:
+            chains.append({**c, "turns": [c.get("turn", len(chains))]})
+            continue
+        gap = prompt[len(best["prompt_ids"]) + len(best["response_ids"]) :]
+        best["response_ids"] = best["response_ids"] + gap + c["response_ids"]
+        best["response_logprobs"] = (
+            best["response_logprobs"] + [0.0] * len(gap) + c["response_logprobs"]
+        )
+        best["loss_mask"] = best["loss_mask"] + [0] * len(gap) + c["loss_mask"]
+        best["token_versions"] = best["token_versions"] + [-1] * len(gap) + c["token_versions"]
+        best["model_version"] = min(best["model_version"], c["model_version"])
+        best["finish_reason"], best["response"] = c["finish_reason"], c["response"]
+        best["turns"] = [*best["turns"], c.get("turn")]
+    return chains
+
+
 class RecordingProxy:
     """The proxy's state and its FastAPI `app` (serve it with uvicorn on 127.0.0.1).
 
@@ -74,8 +115,9 @@ class RecordingProxy:
         self.session(sid).reward = float(reward)
 
     def trajectories(self, sid: str, reward: float | None = None) -> list[Trajectory]:
-        """The session as trajectories (one per completion); `reward` overrides the one
-        the agent posted. ValueError when the session has no completion or no reward."""
+        """The session as trajectories (`merge_completions`: one per chain of completions
+        that extend each other token-exactly); `reward` overrides the one the agent posted.
+        ValueError when the session has no completion or no reward."""
         session = self.sessions.get(sid)
         if session is None or not session.completions:
             raise ValueError(f"session {sid!r} made no chat completion through the proxy")
@@ -84,7 +126,8 @@ class RecordingProxy:
             raise ValueError(
                 f"session {sid!r} has no reward: POST /sessions/{sid}/reward or pass reward="
             )
-        return [{**c, "reward": float(value), "session": sid} for c in session.completions]
+        merged = merge_completions(session.completions)
+        return [{**t, "reward": float(value), "session": sid} for t in merged]
 
     async def _chat(self, sid: str, body: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(body.messages)

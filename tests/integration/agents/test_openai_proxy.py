@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from nexrl.agents.proxy import RecordingProxy
+from nexrl.agents.proxy import RecordingProxy, merge_completions
 from tests.integration.agents.test_remote_and_tools import TOOLS, add
 from tests.integration.inference.conftest import ServerThread
 
@@ -40,6 +40,8 @@ def proxy(engine):
 
 
 def test_openai_sdk_agent_session_becomes_trajectories(proxy, engine):
+    """The template re-renders the parsed call in its own JSON (arguments as a string), so
+    the second prompt does not extend the first sample: two samples."""
     rec, url = proxy
     reward = my_agent(RecordingProxy.base_url(url, "s1"), "any", "what is 2+3?")
     trajs = rec.trajectories("s1", reward=reward)
@@ -50,6 +52,72 @@ def test_openai_sdk_agent_session_becomes_trajectories(proxy, engine):
     assert len(first["response_logprobs"]) == len(first["response_ids"])
     assert "<tool_response>\n5\n</tool_response>" in tok.decode(second["prompt_ids"])
     assert all(v == engine.version for t in trajs for v in t["token_versions"])
+
+
+def chat_agent(base_url: str, api_key: str, question: str) -> float:
+    """Two turns sending the model's reply back as it wrote it, then one more question."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": question}]
+    for follow_up in ("and 3+4?", None):
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=16, temperature=0
+        )
+        if follow_up is not None:
+            text = reply.choices[0].message.content
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": follow_up},
+            ]
+    return 1.0
+
+
+def test_successive_completions_of_a_conversation_merge_into_one_sample(proxy, engine):
+    rec, url = proxy
+    chat_agent(RecordingProxy.base_url(url, "s3"), "any", "what is 2+3?")
+    first, second = rec.sessions["s3"].completions
+    (traj,) = rec.trajectories("s3", reward=1.0)
+    assert traj["prompt_ids"] == first["prompt_ids"] and traj["turns"] == [0, 1]
+    ids, mask = traj["prompt_ids"] + traj["response_ids"], [0] * len(traj["prompt_ids"])
+    mask += traj["loss_mask"]
+    assert ids[: len(second["prompt_ids"])] == second["prompt_ids"]  # token-exact prefix
+    policy = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert policy == first["response_ids"] + second["response_ids"]
+    gap = second["prompt_ids"][len(first["prompt_ids"]) + len(first["response_ids"]) :]
+    assert "user\nand 3+4?" in engine.tokenizer.decode(gap)
+    assert (
+        len(traj["response_logprobs"])
+        == len(traj["token_versions"])
+        == len(mask) - len(traj["prompt_ids"])
+    )
+
+
+def _completion(prompt, response, turn):
+    n = len(response)
+    return {
+        "prompt_ids": prompt,
+        "response_ids": response,
+        "response_logprobs": [-0.5] * n,
+        "loss_mask": [1] * n,
+        "token_versions": [turn] * n,
+        "model_version": turn,
+        "finish_reason": "stop",
+        "response": str(response),
+        "turn": turn,
+    }
+
+
+def test_merge_follows_each_conversation_and_keeps_others_apart():
+    a0 = _completion([1, 2], [3, 4], 0)
+    b0 = _completion([9], [8], 1)  # another conversation in the same session
+    a1 = _completion([1, 2, 3, 4, 5, 6], [7], 2)  # extends a0 by the env ids 5, 6
+    c0 = _completion([1, 2, 3, 9], [7], 3)  # shares a prefix but rewrote a0's reply
+    merged = merge_completions([a0, b0, a1, c0])
+    assert [t["turns"] for t in merged] == [[0, 2], [1], [3]]
+    a = merged[0]
+    assert a["response_ids"] == [3, 4, 5, 6, 7] and a["loss_mask"] == [1, 1, 0, 0, 1]
+    assert a["response_logprobs"] == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert a["token_versions"] == [0, 0, -1, -1, 2] and a["model_version"] == 0
+    assert a0["response_ids"] == [3, 4]  # the recorded completions are left as they were
 
 
 def test_reward_endpoint_and_missing_reward(proxy):
