@@ -9,6 +9,7 @@ once training is done:
     start the module loops
     while not finished:
         check errors and liveness; validate when a weight push asks for it
+        Ray: a module actor restarted -> rewind in place to the last checkpoint
     final validation; stop; wait for quiescence
 
 The loops (each a thread, or a thread inside a Ray actor) and their calls:
@@ -48,7 +49,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from nexrl.distributed.recovery import ActorRestartedError
+from nexrl.distributed.recovery import (
+    ActorRestartedError,
+    describe,
+    quiesce_and_reset,
+    restart_loops,
+)
 from nexrl.execute import execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
@@ -140,8 +146,6 @@ class NexRLController:
         restarted = self.system.restarted_actors(settle)
         if not restarted:
             return False
-        from nexrl.distributed.recovery import describe, quiesce_and_reset, restart_loops
-
         folder = self._config.train_worker.checkpoint_path
         path = find_latest_checkpoint(folder)
         if path is None:
