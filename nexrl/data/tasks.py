@@ -91,20 +91,29 @@ def write_arithmetic_task(
     seed: int = 0,
     digits: int = 2,
     ops: str = "+-",
+    operands: tuple[int, int] | None = None,
 ) -> tuple[Path, Path]:
     """Integer arithmetic as chat prompts (the real-model recipe, docs/models.md): operands
-    of `digits` digits, operators from `ops`; train and held-out validation questions are
-    disjoint."""
-    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
-    space = (high - low + 1) ** 2 * len(ops)
+    of `digits` digits (or in the inclusive range `operands`), operators from `ops`; train
+    and held-out validation questions are disjoint."""
+    if operands is None:
+        operands = (10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+    low, high = operands
+    size = high - low + 1
+    space = size**2 * len(ops)
     if n_train + n_val > space:
         raise ValueError(f"n_train + n_val = {n_train + n_val} exceeds the {space} questions")
     train_path, val_path = _cached_paths(
-        directory, "arithmetic", n_train=n_train, n_val=n_val, seed=seed, digits=digits, ops=ops
+        directory,
+        "arithmetic",
+        n_train=n_train,
+        n_val=n_val,
+        seed=seed,
+        ops=ops,
+        operands=(low, high),
     )
     if train_path.exists() and val_path.exists():
         return train_path, val_path
-    size = high - low + 1
     codes = random.Random(seed).sample(range(space), n_train + n_val)  # distinct questions
     rows = []
     for code in codes:
@@ -115,9 +124,22 @@ def write_arithmetic_task(
     return train_path, val_path
 
 
+def write_times_tables_task(
+    directory: str | os.PathLike, n_train: int = 81, n_val: int = 40, seed: int = 0
+) -> tuple[Path, Path]:
+    """The real-model recipe's task: "What is a * b?" for a, b in 2..12 (121 questions, 40
+    held out). Chosen by measurement: SmolLM2-135M-Instruct answers about half of them
+    greedily, mostly losing the rest to rambling, and about 85% when made to answer
+    directly, so there is room that RL can reach within minutes (docs/models.md)."""
+    return write_arithmetic_task(
+        directory, n_train=n_train, n_val=n_val, seed=seed, ops="*", operands=(2, 12)
+    )
+
+
 TASK_WRITERS: dict[str, TaskWriter] = {
     "shift_letters": write_shift_task,
     "arithmetic": write_arithmetic_task,
+    "times_tables": write_times_tables_task,
 }
 
 

@@ -17,9 +17,15 @@ from nexrl.inference.client import get_local_engine
 
 
 @pytest.mark.slow
-def test_smollm2_recipe_trains_and_serves_the_trained_weights(smollm2_dir, tmp_path):
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["weight.sync_mode=fully-async", "weight.staleness_threshold=1"]],
+    ids=["sync", "fully-async"],
+)
+def test_smollm2_recipe_trains_and_serves_the_trained_weights(smollm2_dir, tmp_path, mode):
     cfg = load_config(
         [
+            *mode,
             f"output_dir={tmp_path}",
             f"model_path={smollm2_dir}",
             "rollout_worker.num_workers=1",
@@ -44,6 +50,7 @@ def test_smollm2_recipe_trains_and_serves_the_trained_weights(smollm2_dir, tmp_p
     lines = (Path(controller.run_dir) / "metrics.jsonl").read_text().splitlines()
     train = [x for x in map(json.loads, lines) if "train/loss" in x]
     assert [x["step"] for x in train] == [1, 2]
+    assert all(x["staleness/max"] <= (1 if mode else 0) for x in train)
     prompt = train[0]["samples"][0]["prompt"] if "samples" in train[0] else None
     assert prompt is None or isinstance(prompt, list)  # chat messages, not text
     trained = load_file(

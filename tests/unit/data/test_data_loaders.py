@@ -214,3 +214,23 @@ def test_arithmetic_task_is_chat_prompts_with_disjoint_held_out_questions(tmp_pa
         a, op, b = msg["content"].split("?")[0].removeprefix("What is ").split()
         assert msg["role"] == "user" and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def test_times_tables_task_covers_the_tables_with_a_held_out_part(tmp_path):
+    import json
+
+    from nexrl.data.tasks import write_task
+
+    train, val = write_task("times_tables", tmp_path)
+    rows = [json.loads(x) for x in train.read_text().splitlines()]
+    held = [json.loads(x) for x in val.read_text().splitlines()]
+    assert len(rows) == 81 and len(held) == 40
+    pairs = set()
+    for row in rows + held:
+        a, op, b = row["prompt"][0]["content"].split("?")[0].removeprefix("What is ").split()
+        assert op == "*" and 2 <= int(a) <= 12 and 2 <= int(b) <= 12
+        assert int(row["answer"]) == int(a) * int(b)
+        pairs.add((int(a), int(b)))
+    assert len(pairs) == 121  # every question once: train and held-out are disjoint
+    with pytest.raises(ValueError, match="exceeds the 121 questions"):
+        write_task("arithmetic", tmp_path, n_train=100, n_val=22, ops="*", operands=(2, 12))
