@@ -13,6 +13,7 @@ vs the same 64 requests in-process. Ratios compare numbers measured in the same 
 
     python benchmarks/bench_generation.py [--quick] [--threads 1] [--out benchmarks/results]
     python benchmarks/bench_generation.py --smoke   # seconds: tiny model, c=1 and 4, no files
+    python benchmarks/bench_generation.py --smollm2 --threads 2   # the real 135M chat model
 
 The last line is `speedup_vs_hf_at_64: X` (default tiny model, concurrency 64).
 """
@@ -36,6 +37,7 @@ from _machine import command, describe
 
 from nexrl.inference.engine import Engine
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
+from nexrl.models.sources import resolve_model
 from nexrl.models.tiny import CHARS, build_tiny_qwen2, default_model_path
 
 
@@ -86,7 +88,13 @@ def engine_tokens_per_s(
 
 
 def compare(
-    path: Path, label: str, concurrencies, max_tokens: int, rows: list[dict], repeats: int
+    path: Path,
+    label: str,
+    concurrencies,
+    max_tokens: int,
+    rows: list[dict],
+    repeats: int,
+    waves: int | None = None,
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,11 +105,11 @@ def compare(
         engine_tokens_per_s(engine, prompts(tok, 4, 99), 4, 1)  # warm-up
         for c in concurrencies:
             batch = prompts(tok, c, seed=c)
-            waves = 3 if c <= 64 else 1  # >= ~0.25 s per engine measurement: steadier ratios
+            n = waves or (3 if c <= 64 else 1)  # >= ~0.25 s per engine measurement
             hf = ours = 0.0
             for _ in range(repeats):  # interleaved, best of `repeats`: the CPU is shared
-                hf = max(hf, hf_tokens_per_s(model, tok, batch, max_tokens, waves))
-                ours = max(ours, engine_tokens_per_s(engine, batch, max_tokens, waves))
+                hf = max(hf, hf_tokens_per_s(model, tok, batch, max_tokens, n))
+                ours = max(ours, engine_tokens_per_s(engine, batch, max_tokens, n))
             rows.append(dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf))
             print(
                 f"{label:>10} c={c:<4} hf {hf:9.0f} tok/s   engine {ours:9.0f} tok/s   "
@@ -235,7 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--repeats", type=int, default=None, help="best of N (default 3, quick 2)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no results files (seconds)")
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct, c=16 and 64")
+    ap.add_argument("--model-path", default="smollm2", help="with --smollm2: model dir or id")
     args = ap.parse_args(argv)
+    if args.smollm2:
+        model = resolve_model(args.model_path)
+        return smollm2(model, args.threads, Path(args.out), args.repeats or 1, args.smoke)
     if args.smoke:
         return smoke(args.threads)
     torch.set_num_threads(args.threads)
@@ -273,6 +286,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"http_vs_inprocess_at_64: {http[1] / http[0]:.2f}")
     at64 = next(r for r in rows if r["model"] == "tiny-1M" and r["concurrency"] == 64)
     print(f"speedup_vs_hf_at_64: {at64['speedup']:.2f}")
+    return 0
+
+
+def smollm2(model: Path, threads: int, out: Path, repeats: int, smoke: bool = False) -> int:
+    """Engine vs HF generate on the real 135M chat model (one wave of 32 tokens per cell:
+    HF needs about half a minute per wave at c=64 on 2 cores); smoke: c=2, 4 tokens."""
+    torch.set_num_threads(threads)
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    rows: list[dict] = []
+    if smoke:
+        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1)
+        print(f"smoke: smollm2_speedup_vs_hf_at_2: {rows[-1]['speedup']:.2f}")
+        return 0
+    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, waves=1)
+    lines = [
+        "# Generation: SmolLM2-135M-Instruct (fp32), engine vs HF generate",
+        "",
+        f"{describe().splitlines()[0]}  ",
+        f"Command: `{command()}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M:%S')}  ",
+        f"Load average before / after: {load_before} / "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        + "  ",
+        f"torch threads: {threads}, 32 new tokens, one wave, best of {repeats}",
+        "",
+        "| concurrency | HF generate tok/s | engine tok/s | speedup |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['concurrency']} | {r['hf']:.0f} | {r['engine']:.0f} | {r['speedup']:.2f} |"
+            for r in rows
+        ),
+        "",
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "generation_smollm2.md").write_text("\n".join(lines))
+    print(f"smollm2_speedup_vs_hf_at_64: {rows[-1]['speedup']:.2f}")
     return 0
 
 

@@ -63,6 +63,15 @@ def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_generation_smoke_mode_on_smollm2(smollm2_dir, tmp_path: Path) -> None:
+    out = run_smoke(
+        "bench_generation.py", "--smollm2", "--model-path", smollm2_dir, "--out", str(tmp_path)
+    )
+    assert "smoke: smollm2_speedup_vs_hf_at_2:" in out
+    assert not list(tmp_path.iterdir())  # smoke mode writes no results
+
+
+@pytest.mark.slow
 def test_rewards_smoke_mode_runs(tmp_path: Path) -> None:
     out = run_smoke("bench_rewards.py", "--out", str(tmp_path))
     assert SMOKE_LINES["bench_rewards.py"] in out

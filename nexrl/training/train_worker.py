@@ -177,7 +177,9 @@ class TrainWorker(LoopModule):
         if "ref_logprobs" not in batch.values:
             with timer.phase("ref"):
                 ref = self._client.compute_ref_logprobs(batch)
-            if ref is not None:
+            if ref is None:
+                timer.seconds.pop("ref")  # no reference model
+            else:
                 batch.values["ref_logprobs"] = ref
         metrics = self._update(batch, timer)
         if "old_logprobs" in batch.values:  # absent when the update's forward made them
