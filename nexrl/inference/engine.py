@@ -326,8 +326,8 @@ class Engine:
             if row.pending.left == 0:
                 _resolve(row.pending)
         src, dst = self.batch.compact(finished)
-        if dst.numel():
-            self.runner.move_rows(src, dst)
+        if dst.numel():  # cache positions past the movers' own are never read: not copied
+            self.runner.move_rows(src, dst, int(self.batch.pos[dst].max()) + 1)
 
     def _abort(self, rid: str | None) -> None:
         self._waiting.extend(self._inbox)

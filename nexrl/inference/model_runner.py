@@ -266,11 +266,13 @@ class ModelRunner:
         self.layers = [_layer(block) for block in inner.layers]
 
     # -- cache bookkeeping ------------------------------------------------------------------
-    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy cache rows `src` to rows `dst` (both (M,) long)."""
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, span: int | None = None) -> None:
+        """Copy cache rows `src` to rows `dst` (both (M,) long), positions [0, span) only
+        (None: all of them)."""
+        span = span or self.k_cache[0].shape[2]
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            k[dst] = k[src]
-            v[dst] = v[src]
+            k[dst, :, :span] = k[src, :, :span]
+            v[dst, :, :span] = v[src, :, :span]
 
     # -- forwards ---------------------------------------------------------------------------
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,22 @@ def test_logprob_parity_with_trainer(engine, hf_model, trainer_logprobs):
         assert max(abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)) < 1e-4
 
 
+def test_rows_moved_when_others_finish_keep_their_cache(engine, hf_model, trainer_logprobs):
+    """Short requests ahead of a long one finish first; the long one's row is moved into
+    a freed slot (only its filled positions are copied) and its logprobs stay exact."""
+    with ThreadPoolExecutor(4) as pool:
+        short = [
+            pool.submit(_gen, engine, [9, 8, 7], max_new_tokens=n, ignore_eos=True)
+            for n in (1, 2, 3)
+        ]
+        long = pool.submit(_gen, engine, max_new_tokens=30, seed=3, ignore_eos=True)
+        [f.result() for f in short]
+        out = long.result().outputs[0]
+    ref = trainer_logprobs(hf_model, PROMPT + out.output_ids)[len(PROMPT) - 1 :]
+    assert len(out.output_ids) == 30
+    assert max(abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)) < 1e-4
+
+
 def test_greedy_matches_hf_generate(engine, tiny_path):
     hf = HFEngine(tiny_path)
     ids = list(range(10, 30))
