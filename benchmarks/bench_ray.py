@@ -1,14 +1,22 @@
-"""Wall-clock of the default run in Ray mode vs local mode, same settings, one script.
+"""Ray mode vs local mode on the default run: start-up and per-step cost apart, one script.
 
 Both runs use the default config (`nexrl train`), shortened to `--steps` train steps
-with the same seed; local first, then Ray (`ray.init` with the local CPUs). The clock
-runs from building the controller (Ray: starting the actors) to the end of `run()`;
-the run time alone (without start-up) is printed too.
+with the same seed; local first, then Ray (`ray.init` with the local CPUs). Per mode:
+
+- start-up: building the controller (Ray: starting the actors and building the modules);
+- run: `run()` to its end (the step-0 validation, the steps, the final validation);
+- steps: the sum of the train worker's `timing/step_s` (`metrics.jsonl`), i.e. the run
+  without start-up and without the step-0 validation; its median and mean per step.
+
+Ray mode also reports the Ray calls every process made through `execute`, per train
+step and by `module.method` (`nexrl.execute.REMOTE_CALLS`, summed over the driver and
+the module actors).
 
     python benchmarks/bench_ray.py [--steps 20] [--rounds 1] [--out benchmarks/results/ray.json]
     python benchmarks/bench_ray.py --smoke   # 2 tiny steps per mode, nothing written
 
-Last line: `ray_vs_local_wallclock: X` (Ray seconds / local seconds; 1.0 = no overhead).
+Last lines: `ray_vs_local_step_median: X` (the headline: Ray's median seconds per step
+over local's; 1.0 = no per-step overhead), `ray_vs_local_wallclock: X` (whole runs).
 """
 
 from __future__ import annotations
@@ -16,12 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from _machine import command, machine
 
+from nexrl import execute as execute_module
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
 
@@ -34,24 +46,79 @@ SMOKE = [
 ]
 
 
-def one_run(mode: str, steps: int, out: str, extra: list[str]) -> dict[str, float]:
+def step_timings(run_dir: str | Path) -> dict[str, list[float]]:
+    """`timing/{step,train,wait}_s` of every train step in `<run_dir>/metrics.jsonl`."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
+    rows = sorted((r for r in rows if "timing/step_s" in r), key=lambda r: r["step"])
+    return {k: [r[f"timing/{k}"] for r in rows] for k in ("step_s", "train_s", "wait_s")}
+
+
+def ray_calls(controller: NexRLController) -> dict[str, int]:
+    """Ray calls made through `execute` by the driver and every module actor."""
+    import ray
+
+    actors = controller.system.resource_manager.actors.values()
+    total = Counter(execute_module.REMOTE_CALLS)
+    for counts in ray.get([a.call_counts.remote() for a in actors]):
+        total.update(counts)
+    return dict(total)
+
+
+def one_run(mode: str, steps: int, out: str, extra: list[str]) -> dict[str, Any]:
     cfg = load_config(
         [
             f"launch_mode={mode}",
             f"train_worker.total_train_steps={steps}",
-            f"output_dir={out}",
+            f"output_dir={out}/{mode}",
             "logger.backend=[jsonl]",
             *extra,
         ]
     )
+    execute_module.REMOTE_CALLS.clear()
     t0 = time.perf_counter()
     controller = NexRLController(cfg)
     t1 = time.perf_counter()
     final = controller.run()
     t2 = time.perf_counter()
+    timings = step_timings(controller.run_dir)
+    per_step = timings["step_s"]
+    result: dict[str, Any] = {
+        "total_s": t2 - t0,
+        "startup_s": t1 - t0,
+        "run_s": t2 - t1,
+        "steps_s": sum(per_step),
+        "step_median_s": statistics.median(per_step),
+        "step_mean_s": statistics.fmean(per_step),
+        "train_median_s": statistics.median(timings["train_s"]),
+        "wait_median_s": statistics.median(timings["wait_s"]),
+        **final,
+    }
     if mode == "ray":
+        calls = ray_calls(controller)
+        result["ray_calls_per_step"] = {
+            k: round(v / len(per_step), 2) for k, v in sorted(calls.items(), key=lambda x: -x[1])
+        }
         controller.system.shutdown()
-    return {"total_s": t2 - t0, "startup_s": t1 - t0, "run_s": t2 - t1, **final}
+    return result
+
+
+def print_run(mode: str, r: dict[str, Any]) -> None:
+    print(
+        f"{mode:5s} total {r['total_s']:.1f} s (start-up {r['startup_s']:.1f} s, "
+        f"run {r['run_s']:.1f} s, steps {r['steps_s']:.1f} s), per step median "
+        f"{r['step_median_s']:.3f} s mean {r['step_mean_s']:.3f} s (median train "
+        f"{r['train_median_s']:.3f} s, wait {r['wait_median_s']:.3f} s), "
+        f"final val/reward {r.get('val/reward', 0):.3f}",
+        flush=True,
+    )
+    if "ray_calls_per_step" in r:
+        calls = r["ray_calls_per_step"]
+        top = ", ".join(f"{k} {v:g}" for k, v in list(calls.items())[:12])
+        print(f"      Ray calls per step: {sum(calls.values()):.1f} ({top})", flush=True)
+
+
+def ratio(results: dict[str, list[dict[str, Any]]], key: str) -> float:
+    return sum(r[key] for r in results["ray"]) / sum(r[key] for r in results["local"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,27 +134,34 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.rounds, args.out = 2, 1, None
 
     os.environ.setdefault("NEXRL_HOME", tempfile.mkdtemp(prefix="nexrl_bench_"))
-    results: dict[str, list[dict[str, float]]] = {"local": [], "ray": []}
+    results: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
     with tempfile.TemporaryDirectory() as out:
         for _ in range(args.rounds):
             for mode in ("local", "ray"):
                 results[mode].append(one_run(mode, args.steps, out, SMOKE if args.smoke else []))
-                r = results[mode][-1]
-                print(
-                    f"{mode:5s} total {r['total_s']:.1f} s (start-up {r['startup_s']:.1f} s, "
-                    f"run {r['run_s']:.1f} s), final val/reward {r.get('val/reward', 0):.3f}",
-                    flush=True,
-                )
+                print_run(mode, results[mode][-1])
     if ray.is_initialized():
         ray.shutdown()
-    local = sum(r["total_s"] for r in results["local"])
-    remote = sum(r["total_s"] for r in results["ray"])
-    run_ratio = sum(r["run_s"] for r in results["ray"]) / sum(r["run_s"] for r in results["local"])
+    headline = {
+        "ray_vs_local_step_median": ratio(results, "step_median_s"),
+        "ray_vs_local_step_mean": ratio(results, "step_mean_s"),
+        "ray_vs_local_steps_only": ratio(results, "steps_s"),
+        "ray_vs_local_run_only": ratio(results, "run_s"),
+        "ray_vs_local_startup": ratio(results, "startup_s"),
+        "ray_vs_local_wallclock": ratio(results, "total_s"),
+    }
     if args.out:
-        payload = {"machine": machine(), "command": command(), "steps": args.steps, **results}
+        payload = {
+            "machine": machine(),
+            "command": command(),
+            "load_average": os.getloadavg(),
+            "steps": args.steps,
+            **headline,
+            **results,
+        }
         Path(args.out).write_text(json.dumps(payload, indent=1))
-    print(f"ray_vs_local_run_only: {run_ratio:.3f}")
-    print(f"ray_vs_local_wallclock: {remote / local:.3f}")
+    for key, value in headline.items():
+        print(f"{key}: {value:.3f}")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ class NexRLController:
                 self._wait_validate()
                 self._end_validate(self._tag)
             while not self._watch_once():
-                time.sleep(0.02)
+                time.sleep(self.system.watch_interval_s)
             if self._last_validated_step != self._train_step():
                 self._run_validate(self._tag)
         finally:
@@ -291,7 +291,7 @@ class NexRLController:
     def _wait_validate(self) -> None:
         while not execute(self.system.validator.is_complete):
             self._check_module_exceptions()
-            time.sleep(0.02)
+            time.sleep(self.system.watch_interval_s)
 
     def _run_validate(self, model_tag: ModelTag) -> None:
         """Validate the weights the inference side serves now (seed 000 `_run_validate`)."""

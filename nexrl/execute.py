@@ -10,11 +10,17 @@ mode it runs in, so local mode is the test bed for Ray mode.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("NEXRL_EXECUTE_TIMEOUT_S", "600"))
 """Seconds `execute` / `resolve` wait on a Ray result when no `timeout` is given.
 Set from `ray.execute_timeout_s` by the Ray system (and in every actor's environment)."""
+
+
+REMOTE_CALLS: Counter[str] = Counter()
+"""Ray calls this process made through `execute` / `execute_async`, by `module.method`
+(`ModuleActor.call_counts` reads an actor's; benchmarks/bench_ray.py reports them)."""
 
 
 def set_default_timeout(seconds: float) -> None:
@@ -42,9 +48,14 @@ def execute(func: Any, *args: Any, timeout: float | None = None, **kwargs: Any) 
     """Call `func` and return its result, waiting on Ray if `func` is remote."""
     if is_remote(func):
         ref = func.remote(*args, **kwargs)
-        name = getattr(func, "__name__", None) or getattr(func, "_method_name", None)
-        return _get(ref, timeout, name or repr(func))
+        name = _name(func)
+        REMOTE_CALLS[name] += 1
+        return _get(ref, timeout, name)
     return func(*args, **kwargs)
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", None) or getattr(func, "_method_name", None) or repr(func)
 
 
 def _get(ref: Any, timeout: float | None, name: str) -> Any:
@@ -63,6 +74,7 @@ def _get(ref: Any, timeout: float | None, name: str) -> Any:
 def execute_async(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Start `func`: a Ray ObjectRef for remote methods, the result itself locally."""
     if is_remote(func):
+        REMOTE_CALLS[_name(func)] += 1
         return func.remote(*args, **kwargs)
     return func(*args, **kwargs)
 

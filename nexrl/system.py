@@ -32,6 +32,8 @@ class ModuleSystem:
     validator: Any
     train_workers: list[Any]
     rollout_workers: list[Any]
+    watch_interval_s: float = 0.02
+    """Pause between the controller's polls (each poll is several module calls)."""
 
     def named_modules(self) -> list[tuple[str, Any, bool]]:
         """(name, module, is_rollout_worker) for every module."""

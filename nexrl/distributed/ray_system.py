@@ -4,9 +4,9 @@ Same attributes and methods as `nexrl.system.LocalSystem`, with `RayActorWrapper
 in place of module objects, so the controller (the Ray driver) runs unchanged.
 Default layout, one actor per colocation group (`ray.colocation` overrides it):
 
-    data     data_loader, validate_dataloader, trajectory_pool, train_batch_pool, validator
-    train    train_worker(s), algorithm_processor
-    rollout  rollout_worker(s), weight_sync_controller   (share the in-process engine)
+    rollout  rollout_worker(s), weight_sync_controller   (share the in-process engine),
+             data_loader, validate_dataloader, trajectory_pool, validator
+    train    train_worker(s), algorithm_processor, train_batch_pool
 
 plus one ActivityTracker actor that every module reaches through its
 `ActivityTrackerProxy`. With the built-in in-process inference engine the rollout
@@ -102,6 +102,12 @@ def start_inference_replicas(
 class RaySystem(ModuleSystem):
     """Every module in a Ray actor; the driver holds wrappers (see module docstring).
     `stop()` stops the module loops; the actors stay up until `shutdown()`."""
+
+    watch_interval_s = 0.1
+    """Each controller poll is three Ray calls here (train step, loader, weight sync): at
+    local mode's 0.02 s they were ~110 calls per train step of the default run, 43% of
+    all its Ray calls; 0.1 s delays noticing a due validation or the end by 50 ms on
+    average."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = RaySettings.from_config(cfg)

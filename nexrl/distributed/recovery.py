@@ -1,12 +1,12 @@
 """Rewinding a Ray run to its last checkpoint after a module actor restarted.
 
-Why a rewind and not an in-place repair: in the default layout every actor holds
-state the others cannot rebuild. The `rollout` actor holds the task ledger
-(`TaskAdmission`: tasks generating, pooled, in formed batches, tail candidates)
-and the engine's weights; the `data` actor holds the loader position, the
-trajectory pool and the train batch pool (whose loss leaves holes in the batch
-numbering the trainer and the ledger share); the `train` actor holds the
-optimizer state. A checkpoint already stores all of it consistently (weights,
+Why a rewind and not an in-place repair: every actor holds state the others
+cannot rebuild. In the default layout the `rollout` actor holds the task ledger
+(`TaskAdmission`: tasks generating, pooled, in formed batches, tail candidates),
+the engine's weights, the loader position and the trajectory pool; the `train`
+actor holds the optimizer state and the train batch pool (whose loss leaves holes
+in the batch numbering the trainer and the ledger share). The three-actor
+`SPLIT_COLOCATION` moves the loaders and pools to a `data` actor of their own. A checkpoint already stores all of it consistently (weights,
 optimizer, loader state and the tasks handed out but not trained, taken in one
 critical section), and resuming from it is tested to train every item exactly
 once. So a restart rewinds the running system to that checkpoint, as AReaL's

@@ -166,6 +166,12 @@ class ModuleActor:
     def ping(self) -> bool:
         return True
 
+    def call_counts(self) -> dict[str, int]:
+        """Ray calls this actor's modules made through `execute`, by `module.method`."""
+        from nexrl.execute import REMOTE_CALLS
+
+        return dict(REMOTE_CALLS)
+
     def unfence(self) -> None:
         """The controller stopped every loop: calls reach the rebuilt modules again."""
         self._fence = None

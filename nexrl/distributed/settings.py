@@ -19,16 +19,40 @@ from nexrl.distributed.resource_manager import GroupOptions
 from nexrl.types import NexRLRole
 
 DEFAULT_COLOCATION: dict[str, str | None] = {
-    NexRLRole.DATA_LOADER.value: "data",
-    NexRLRole.VALIDATE_DATALOADER.value: "data",
-    NexRLRole.TRAJECTORY_POOL.value: "data",
-    NexRLRole.TRAIN_BATCH_POOL.value: "data",
-    NexRLRole.VALIDATOR.value: "data",
+    NexRLRole.DATA_LOADER.value: "rollout",
+    NexRLRole.VALIDATE_DATALOADER.value: "rollout",
+    NexRLRole.TRAJECTORY_POOL.value: "rollout",
+    NexRLRole.VALIDATOR.value: "rollout",
+    NexRLRole.ROLLOUT_WORKER.value: "rollout",
+    NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
+    NexRLRole.TRAIN_BATCH_POOL.value: "train",
+    NexRLRole.TRAIN_WORKER.value: "train",
+    NexRLRole.ALGORITHM_PROCESSOR.value: "train",
+}
+"""Two actors, split where data must cross anyway: each rollout task touches the loader,
+the task ledger, the trajectory pool and (validating) the validator, so they live with
+the rollout workers; the processor and the train worker share the train batch pool. One
+batch per step crosses from `rollout` to `train` (the processor's `get_batch`)."""
+
+SPLIT_COLOCATION: dict[str, str | None] = {
+    **{
+        role: "data"
+        for role in (
+            NexRLRole.DATA_LOADER.value,
+            NexRLRole.VALIDATE_DATALOADER.value,
+            NexRLRole.TRAJECTORY_POOL.value,
+            NexRLRole.TRAIN_BATCH_POOL.value,
+            NexRLRole.VALIDATOR.value,
+        )
+    },
     NexRLRole.TRAIN_WORKER.value: "train",
     NexRLRole.ALGORITHM_PROCESSOR.value: "train",
     NexRLRole.ROLLOUT_WORKER.value: "rollout",
     NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
 }
+"""The former default: loaders, pools and the validator in a `data` actor of their own
+(`ray.colocation`: data_loader: data, ...). Every task then costs two more Ray calls (the
+loader item, the trajectory group); docs/ray.md has the figures."""
 IN_PROCESS_BACKENDS = ("builtin", "hf")
 
 
@@ -81,14 +105,27 @@ def init_ray(settings: RaySettings) -> bool:
         kwargs.update(
             num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, include_dashboard=False
         )
+        # Ray starts its workers at niceness +15 over the driver; the modules then lose
+        # every contended core to any other process, where local mode's threads do not.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(**kwargs, runtime_env={"env_vars": actor_env(settings)})
     return True
 
 
 def actor_env(settings: RaySettings) -> dict[str, str]:
-    """What actors inherit from the driver: NEXRL_* variables, the import path, timeouts."""
+    """What actors inherit from the driver: NEXRL_* variables, the import path, timeouts,
+    and the driver's torch thread count (`OMP_NUM_THREADS`).
+
+    Why the threads: Ray forces `OMP_NUM_THREADS=1` in actors that reserve no CPU (the
+    default layout's), so the train and rollout actors would each compute on one core
+    where local mode uses all of them; in a sync run they take turns, so each needs them
+    all. An `OMP_NUM_THREADS` set by the user wins.
+    """
+    import torch
+
     env = {k: v for k, v in os.environ.items() if k.startswith(("NEXRL_", "HF_"))}
     paths = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["NEXRL_EXECUTE_TIMEOUT_S"] = str(settings.execute_timeout_s)
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())
     return env

@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from nexrl.execute import execute
+from nexrl.execute import execute, execute_async
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
 from nexrl.monitoring.loggers import ExperimentLogger
 
@@ -234,7 +234,9 @@ class ActivityTrackerProxy:
                 execute(self._central.report_exception, module, work, exc)
             raise
         finally:
-            execute(self._central.end, token)
+            # not waited for: a late `end` only makes the run look busy a moment longer,
+            # while `start` must land before the work does (quiescence, see the top)
+            execute_async(self._central.end, token)
 
     def is_quiescent(self) -> bool:
         return execute(self._central.is_quiescent)
@@ -248,8 +250,10 @@ class ActivityTrackerProxy:
     def report_error(self, module: str, work: str, message: str, severity=None, details=None):
         return execute(self._central.report_error, module, work, message, severity, details)
 
-    def increment(self, name: str, n: int = 1) -> int:
-        return execute(self._central.increment, name, n)
+    def increment(self, name: str, n: int = 1) -> None:
+        """Not waited for (counted per task in the hot path); `get_counters` may lag a
+        count by the time one call takes."""
+        execute_async(self._central.increment, name, n)
 
     def get_counters(self) -> dict[str, int]:
         return execute(self._central.get_counters)

@@ -4,7 +4,8 @@ A fully-async run (staleness 1: tasks are generating, pooled and in formed
 batches at every moment) over a finite dataset, checkpointing every 2 steps
 (so a rewind redoes trained steps), with
 `max_restarts` on the `rollout` actor (rollout workers, the weight-sync
-controller and its task ledger, the engine), the `data` actor (loader, pools)
+controller and its task ledger, the engine), the `data` actor (loader, pools;
+the three-actor `SPLIT_COLOCATION` layout, so each kind of state is lost alone)
 and the `train` actor (weights, optimizer). The test kills each actor's process
 in turn, a random fraction of a step after a step ends, and waits for the rewind
 before the next kill. Each restart rewinds the run to its last checkpoint
@@ -29,6 +30,7 @@ from omegaconf import OmegaConf, open_dict
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
+from nexrl.distributed.settings import SPLIT_COLOCATION
 from nexrl.execute import execute
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -62,7 +64,7 @@ def restart_config(tmp_path: Path, tiny_model_path: str):
     )
     with open_dict(cfg):
         groups = {group: {"max_restarts": 1} for group, _ in KILLS}
-        cfg.ray = OmegaConf.merge(cfg.ray, {"groups": groups})
+        cfg.ray = OmegaConf.merge(cfg.ray, {"groups": groups, "colocation": SPLIT_COLOCATION})
     return cfg
 
 

@@ -89,7 +89,7 @@ def test_a_dead_actor_stops_the_run_with_a_clear_error(ray_local, ray_config):
         "validate.validate_before_train=false",
     )
     controller = NexRLController(cfg)
-    kill_when(controller, "data", step=1, no_restart=True)
+    kill_when(controller, "rollout", step=1, no_restart=True)
     t0 = time.monotonic()
     try:
         # the liveness check (TrainingAborted) or the controller's next call to the dead

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nexrl.distributed.ray_system import check_layout
-from nexrl.distributed.settings import DEFAULT_COLOCATION, RaySettings
+from nexrl.distributed.settings import DEFAULT_COLOCATION, SPLIT_COLOCATION, RaySettings
 from nexrl.execute import default_timeout, set_default_timeout
 from nexrl.monitoring import ActivityTracker
 
@@ -27,9 +27,20 @@ def test_defaults_and_overrides_merge_over_the_default_layout():
             }
         )
     )
-    assert s.colocation["validator"] is None and s.colocation["data_loader"] == "data"
+    assert s.colocation["validator"] is None and s.colocation["data_loader"] == "rollout"
     opts = s.group_options()
-    assert (opts["train"].num_gpus, opts["train"].max_restarts, opts["data"].num_gpus) == (1, 2, 0)
+    assert (opts["train"].num_gpus, opts["train"].max_restarts, opts["rollout"].num_gpus) == (
+        1,
+        2,
+        0,
+    )
+
+
+def test_the_default_layout_is_two_actors_and_the_split_one_three():
+    assert set(DEFAULT_COLOCATION.values()) == {"rollout", "train"}
+    split = RaySettings.from_config(cfg_with({"colocation": SPLIT_COLOCATION}))
+    assert set(split.group_options()) == {"data", "rollout", "train"}
+    check_layout(cfg_with(), split.colocation)
 
 
 def test_bad_keys_are_named():
