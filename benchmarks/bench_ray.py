@@ -16,7 +16,8 @@ the module actors).
     python benchmarks/bench_ray.py --smoke   # 2 tiny steps per mode, nothing written
 
 Last lines: `ray_vs_local_step_median: X` (the headline: Ray's median seconds per step
-over local's; 1.0 = no per-step overhead), `ray_vs_local_wallclock: X` (whole runs).
+over local's; 1.0 = no per-step overhead), `ray_vs_local_wallclock: X` (whole runs);
+each the median over rounds of the round's Ray/local ratio.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def one_run(mode: str, steps: int, out: str, extra: list[str]) -> dict[str, Any]
         "step_mean_s": statistics.fmean(per_step),
         "train_median_s": statistics.median(timings["train_s"]),
         "wait_median_s": statistics.median(timings["wait_s"]),
+        "step_s": [round(t, 4) for t in per_step],
+        "load_average_1m": os.getloadavg()[0],
         **final,
     }
     if mode == "ray":
@@ -108,7 +111,7 @@ def print_run(mode: str, r: dict[str, Any]) -> None:
         f"run {r['run_s']:.1f} s, steps {r['steps_s']:.1f} s), per step median "
         f"{r['step_median_s']:.3f} s mean {r['step_mean_s']:.3f} s (median train "
         f"{r['train_median_s']:.3f} s, wait {r['wait_median_s']:.3f} s), "
-        f"final val/reward {r.get('val/reward', 0):.3f}",
+        f"final val/reward {r.get('val/reward', 0):.3f}, load {r['load_average_1m']:.1f}",
         flush=True,
     )
     if "ray_calls_per_step" in r:
@@ -118,7 +121,10 @@ def print_run(mode: str, r: dict[str, Any]) -> None:
 
 
 def ratio(results: dict[str, list[dict[str, Any]]], key: str) -> float:
-    return sum(r[key] for r in results["ray"]) / sum(r[key] for r in results["local"])
+    """Ray over local per round (each pair ran back to back), the median over rounds:
+    the machine's load moves between rounds more than between the two runs of one."""
+    pairs = zip(results["ray"], results["local"], strict=True)
+    return statistics.median(ray[key] / local[key] for ray, local in pairs)
 
 
 def main(argv: list[str] | None = None) -> None:

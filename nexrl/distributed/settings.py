@@ -114,18 +114,18 @@ def init_ray(settings: RaySettings) -> bool:
 
 def actor_env(settings: RaySettings) -> dict[str, str]:
     """What actors inherit from the driver: NEXRL_* variables, the import path, timeouts,
-    and the driver's torch thread count (`OMP_NUM_THREADS`).
+    and torch's threads per actor (`OMP_NUM_THREADS`).
 
-    Why the threads: Ray forces `OMP_NUM_THREADS=1` in actors that reserve no CPU (the
-    default layout's), so the train and rollout actors would each compute on one core
-    where local mode uses all of them; in a sync run they take turns, so each needs them
-    all. An `OMP_NUM_THREADS` set by the user wins.
+    Threads: `NEXRL_ACTOR_THREADS`, else the driver's `OMP_NUM_THREADS`, else 1 (what
+    Ray sets in actors that reserve no CPU). One thread per actor measured best on a
+    shared 2-core machine (benchmarks/results/ray.md): with two, OpenMP threads of the
+    train and rollout actors spin-wait against each other and other processes, and a
+    third of the steps took 1.5-5x the median step.
     """
-    import torch
-
     env = {k: v for k, v in os.environ.items() if k.startswith(("NEXRL_", "HF_"))}
     paths = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["NEXRL_EXECUTE_TIMEOUT_S"] = str(settings.execute_timeout_s)
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())
+    threads = os.environ.get("NEXRL_ACTOR_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    env["OMP_NUM_THREADS"] = threads or "1"
     return env
