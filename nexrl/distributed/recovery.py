@@ -6,12 +6,13 @@ cannot rebuild. In the default layout the `rollout` actor holds the task ledger
 the engine's weights, the loader position and the trajectory pool; the `train`
 actor holds the optimizer state and the train batch pool (whose loss leaves holes
 in the batch numbering the trainer and the ledger share). The three-actor
-`SPLIT_COLOCATION` moves the loaders and pools to a `data` actor of their own. A checkpoint already stores all of it consistently (weights,
-optimizer, loader state and the tasks handed out but not trained, taken in one
-critical section), and resuming from it is tested to train every item exactly
-once. So a restart rewinds the running system to that checkpoint, as AReaL's
-recover mode does, but in place: no process exits, surviving actors and their
-engines stay up, and only the work since the checkpoint is redone.
+`SPLIT_COLOCATION` moves the loaders and pools to a `data` actor of their own.
+A checkpoint already stores all of it consistently (weights, optimizer, loader
+state and the tasks handed out but not trained, taken in one critical section),
+and resuming from it is tested to train every item exactly once. So a restart
+rewinds the running system to that checkpoint, as AReaL's recover mode does, but
+in place: no process exits, surviving actors and their engines stay up, and only
+the work since the checkpoint is redone.
 
 Order (the restarted actor is fenced from its rebuild until step 3, so no module
 reads its fresh state and no checkpoint is written from it):
