@@ -102,15 +102,8 @@ def _kill(proc: subprocess.Popen, log: Path, out: Path, kind: str, target: int, 
     return watch is not None and _staging(watch)
 
 
-def test_each_item_trained_exactly_once_across_sigkills(tmp_path):
-    started: list[subprocess.Popen] = []
-    try:
-        _kill_and_resume(tmp_path, started)
-    finally:  # a failed assertion must not leave a training run behind
-        for proc in started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+def test_each_item_trained_exactly_once_across_sigkills(tmp_path, started_runs):
+    _kill_and_resume(tmp_path, started_runs)
 
 
 def _kill_and_resume(tmp_path: Path, started: list[subprocess.Popen]) -> None:

@@ -105,15 +105,8 @@ def _kill_when(
     proc.wait()
 
 
-def test_sigkill_at_random_points_then_auto_resume_finishes(tmp_path):
-    started: list[subprocess.Popen] = []
-    try:
-        _kill_and_resume(tmp_path, started)
-    finally:  # a failed assertion must not leave a training run behind
-        for proc in started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+def test_sigkill_at_random_points_then_auto_resume_finishes(tmp_path, started_runs):
+    _kill_and_resume(tmp_path, started_runs)
 
 
 def _kill_and_resume(tmp_path: Path, started: list[subprocess.Popen]) -> None:
