@@ -66,6 +66,14 @@ class EngineConfig:
     """Where compute_logprobs / compute_ref_logprobs / compute_entropy compute values: "all"
     real tokens, or "response" (the batch's loss_mask; 0 elsewhere; cheaper with a large
     vocabulary). train_batch always computes the loss's positions only."""
+    shared_prefix: bool | None = None
+    """Run each distinct prompt once per micro-batch and share its key/value cache among
+    the rows that start with it (a GRPO group), then run only the responses: same loss and
+    gradients, fewer tokens through the model. True: on where it is exact and safe - one
+    rank, padded (not packed) micro-batches, a plain linear head, full attention, no
+    gradient checkpointing in training, a prefix shared by >= 2 rows - else the plain
+    forward (warns once when the setup rules it out). None (auto): the same, where it also
+    computes fewer padded tokens than the plain forward. False: never."""
     lora: dict[str, Any] | None = None
     """Train a LoRA adapter (peft) instead of all weights: {rank: 16, alpha: 32,
     target_modules: "all-linear", dropout: 0.0}; weight exports are merged (base + LoRA)."""

@@ -129,18 +129,29 @@ def chunked_token_logprobs(
         want = want & _to_model_layout(select, inputs)[:, 1:]
     rows = hidden[:, :-1][want]  # (M, H) hidden state that predicts each wanted token
     targets = ids[:, 1:][want]  # (M,)
-    pieces = [
-        _chunk(rows[i : i + chunk_tokens], head, targets[i : i + chunk_tokens], with_entropy)
-        # at least one (maybe empty) chunk: the result stays connected to the graph
-        for i in range(0, max(rows.shape[0], 1), max(1, chunk_tokens))
-    ]
-    lp_flat = torch.cat([p[0] for p in pieces])
-    lp = _scatter(lp_flat.float(), want)
-    ent = None
-    if with_entropy:
-        ent_flat = torch.cat([p[1] for p in pieces])
-        ent = to_grid(_scatter(ent_flat.float(), want), inputs)
+    lp_flat, ent_flat = project_rows(rows, head, targets, with_entropy, chunk_tokens)
+    lp = _scatter(lp_flat, want)
+    ent = to_grid(_scatter(ent_flat, want), inputs) if with_entropy else None
     return to_grid(lp, inputs), ent
+
+
+def project_rows(
+    rows: torch.Tensor,  # (M, H) hidden states, one per wanted prediction
+    head: torch.Tensor,  # (V, H) output projection
+    targets: torch.Tensor,  # (M,) the token each row predicts
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M,) float32 logprob of each target (and (M,) entropy; empty when not asked),
+    `chunk_tokens` rows at a time, each chunk recomputed in backward (see above)."""
+    step = chunk_tokens if chunk_tokens > 0 else max(rows.shape[0], 1)
+    pieces = [
+        _chunk(rows[i : i + step], head, targets[i : i + step], with_entropy)
+        # at least one (maybe empty) chunk: the result stays connected to the graph
+        for i in range(0, max(rows.shape[0], 1), step)
+    ]
+    lp = torch.cat([p[0] for p in pieces]).float()
+    return lp, torch.cat([p[1] for p in pieces]).float()
 
 
 def _chunk(rows, head, targets, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:

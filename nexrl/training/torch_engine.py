@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import warnings
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +37,11 @@ from nexrl.training.microbatch import (
     token_logprobs,
 )
 from nexrl.training.parallel import all_reduce_sum, init_from_env, wrap_model
+from nexrl.training.shared_prefix import (
+    plan_prefixes,
+    shared_prefix_logprobs,
+    supports_prefix_cache,
+)
 from nexrl.types import Batch
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask")
@@ -71,6 +77,8 @@ class TorchTrainEngine:
             ref_path = str(resolve_model(self.config.ref_model_path))
             self.ref_model = self._load_model(ref_path, trainable=False)
         self._step = 0
+        self._model_tokens = 0  # real tokens through the model (the shared prefix counts once)
+        self._warned_shared_prefix = False
 
     @property
     def step(self) -> int:
@@ -120,6 +128,7 @@ class TorchTrainEngine:
 
         With `logprob_chunk_tokens` > 0 the model runs without its output projection and
         `chunked_token_logprobs` projects only the wanted positions, a chunk at a time.
+        Rows sharing a prompt may run it once (`shared_prefix`, see `shared_prefix.py`).
         """
         inputs = make_inputs(mb["input_ids"], mb["attention_mask"], self.packing)
         if select is None and self.config.logprob_positions == "response":
@@ -130,6 +139,14 @@ class TorchTrainEngine:
             else contextlib.nullcontext()
         )
         hf_model = _unwrap(module)
+        plan = self._shared_prefix_plan(hf_model, mb, select)
+        if plan is not None:
+            self._model_tokens += plan.model_tokens
+            with autocast, _without_head(hf_model) as head:
+                return shared_prefix_logprobs(
+                    module, head, mb["input_ids"], plan, entropy, self.config.logprob_chunk_tokens
+                )
+        self._model_tokens += int(mb["attention_mask"].sum())
         chunked = self.config.logprob_chunk_tokens > 0 and _can_chunk(hf_model, self.config)
         with autocast, _without_head(hf_model) if chunked else contextlib.nullcontext() as head:
             out = module(
@@ -144,6 +161,36 @@ class TorchTrainEngine:
                 )
         return token_logprobs(out, inputs, with_entropy=entropy)
 
+    def _shared_prefix_plan(self, hf_model, mb: dict[str, torch.Tensor], select):
+        """The shared-prefix plan of `mb`, or None for the plain forward."""
+        if select is None or not self._shared_prefix_allowed(hf_model):
+            return None
+        plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select)
+        if plan is not None and self.config.shared_prefix is None:
+            # auto: only when it computes fewer (padded) tokens than the plain forward
+            plain = int(mb["attention_mask"].any(0).sum()) * mb["attention_mask"].shape[0]
+            return plan if plan.padded_tokens < plain else None
+        return plan
+
+    def _shared_prefix_allowed(self, hf_model: torch.nn.Module) -> bool:
+        """Where the shared-prefix forward is exact and safe (`EngineConfig.shared_prefix`):
+        one rank (a DDP / FSDP module must run once per backward), padded micro-batches,
+        a detachable linear head, a model that takes a full-attention KV cache, and no
+        gradient checkpointing in training (HF turns the cache off there)."""
+        if self.config.shared_prefix is False:
+            return False
+        reason = None
+        if self.world_size > 1 or self.packing:
+            reason = "it needs one rank and padded (not packed) micro-batches"
+        elif not _can_chunk(hf_model, self.config) or not supports_prefix_cache(hf_model):
+            reason = "the model needs a plain linear head and a full-attention KV cache"
+        elif hf_model.training and getattr(hf_model, "is_gradient_checkpointing", False):
+            reason = "gradient checkpointing disables the KV cache in training"
+        if reason and self.config.shared_prefix and not self._warned_shared_prefix:
+            self._warned_shared_prefix = True
+            warnings.warn(f"shared_prefix=True: plain forward, {reason}", stacklevel=3)
+        return reason is None
+
     # ---------------------------------------------------------------- training
 
     fills_old_logprobs = True
@@ -155,7 +202,9 @@ class TorchTrainEngine:
         """One optimizer step on this rank's `batch` with the registered loss `loss_fn`.
 
         `loss_kwargs` go to `compute_loss` (agg_mode, clip ranges, entropy_coef, ...).
-        Returns loss, grad_norm, lr, tokens, loss_tokens, num_seqs and the loss's metrics.
+        Returns loss, grad_norm, lr, tokens, loss_tokens, num_seqs, model_tokens (real
+        tokens through the model: fewer than `tokens` with a shared prefix) and the loss's
+        metrics.
         """
         loss_kwargs = dict(loss_kwargs or {})
         values = _tensors(batch, TRAIN_KEYS, self.device)
@@ -174,6 +223,7 @@ class TorchTrainEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
+        self._model_tokens = 0
         for k, (rows, weight) in enumerate(micro):
             mb = {name: v[rows] for name, v in values.items()}
             with self._sync_context(last=k == len(micro) - 1):
@@ -193,6 +243,7 @@ class TorchTrainEngine:
             metrics = {**metrics, **filled}
             if weight:
                 _accumulate(sums, loss, metrics, float(mb["loss_mask"].sum()))
+        sums["model_tokens"] = float(self._model_tokens)
         return self._finish_step(sums, totals)
 
     def _micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[list[int], float]]:

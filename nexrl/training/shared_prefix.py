@@ -1,0 +1,165 @@
+"""Shared-prefix forward: run each distinct prompt once, then only the responses.
+
+In GRPO a train batch holds `group_size` rows per prompt. Under causal attention a
+prompt's hidden states (and its key/value cache) do not depend on what follows, so
+for rows that start with the same tokens the model can run those tokens once:
+
+1. prefix forward: the distinct prefixes (right padded) with `use_cache=True`;
+2. the cache is indexed by each row's prefix id, (P, heads, Lp, d) -> (b, heads, Lp, d);
+3. suffix forward: each row's remaining tokens on top of its expanded cache, with
+   `position_ids` continuing from the prefix length and the prefix's padding masked.
+
+Autograd flows through the index into the single prefix forward, so the loss and the
+gradients are those of the plain forward (up to float summation order).
+
+A row's prefix is everything before its first wanted position (`select`, the loss
+mask in training); the logprob of that first token comes from the prefix's last
+hidden state. The suffix stops before the row's last wanted token, whose own hidden
+state predicts nothing wanted. Only wanted positions are projected onto the
+vocabulary (`project_rows`, chunked like `chunked_token_logprobs`), so the output
+projection never sees the prompt. Padded layout only (right padding); the engine
+decides where this path is allowed (`TorchTrainEngine._shared_prefix_allowed`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from nexrl.training.microbatch import project_rows
+
+
+@dataclass
+class PrefixPlan:
+    """How a micro-batch's rows split into shared prefixes and per-row suffixes."""
+
+    prefix_ids: torch.Tensor  # (P, Lp) distinct prefixes, right padded
+    prefix_mask: torch.Tensor  # (P, Lp)
+    row_prefix: torch.Tensor  # (b,) index of each row's prefix
+    start: torch.Tensor  # (b,) prefix length = first wanted position of the row
+    suffix_ids: torch.Tensor  # (b, S) tokens start .. last wanted - 1, right padded
+    suffix_mask: torch.Tensor  # (b, S)
+    want: torch.Tensor  # (b, T) bool: grid positions whose logprob is computed
+
+    @property
+    def model_tokens(self) -> int:
+        """Real tokens the two forwards run (the plain path runs every real token)."""
+        return int(self.prefix_mask.sum()) + int(self.suffix_mask.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens the two forwards compute, padding included (compare `want` width x rows)."""
+        return self.prefix_mask.numel() + self.suffix_mask.numel()
+
+
+def plan_prefixes(
+    input_ids: torch.Tensor,  # (b, T) right padded
+    attention_mask: torch.Tensor,  # (b, T)
+    select: torch.Tensor,  # (b, T) positions whose logprob is wanted
+) -> PrefixPlan | None:
+    """The plan, or None when no prefix is shared by two rows (or rows are not right
+    padded): then the plain forward is as cheap."""
+    real = attention_mask.bool()
+    lengths = real.sum(-1)  # (b,)
+    cols = torch.arange(real.shape[1], device=real.device)
+    if not torch.equal(real, cols < lengths[:, None]) or bool((lengths == 0).any()):
+        return None
+    want = select.bool() & real
+    want[:, 0] = False  # the first token has no prediction
+    has_want = want.any(-1)
+    start = torch.where(has_want, want.int().argmax(-1), torch.ones_like(lengths))
+    last = torch.where(has_want, (want * cols).argmax(-1), start)  # last wanted position
+    keys: dict[tuple[int, ...], int] = {}
+    row_prefix = [
+        keys.setdefault(tuple(ids[:n].tolist()), len(keys))
+        for ids, n in zip(input_ids, start.tolist(), strict=True)
+    ]
+    if len(keys) == len(row_prefix):
+        return None
+    prefix_ids, prefix_mask = _right_pad([list(k) for k in keys], input_ids)
+    suffix_len = last - start  # (b,) tokens start .. last - 1
+    span = torch.arange(int(suffix_len.max()), device=real.device)
+    suffix_mask = (span < suffix_len[:, None]).long()
+    index = (start[:, None] + span).clamp(max=real.shape[1] - 1)
+    return PrefixPlan(
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        row_prefix=torch.tensor(row_prefix, device=real.device),
+        start=start,
+        suffix_ids=input_ids.gather(1, index) * suffix_mask,
+        suffix_mask=suffix_mask,
+        want=want,
+    )
+
+
+def shared_prefix_logprobs(
+    module: torch.nn.Module,  # the model with its head replaced by an identity
+    head: torch.Tensor,  # (V, H) output projection
+    input_ids: torch.Tensor,  # (b, T)
+    plan: PrefixPlan,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(b, T) logprobs (and entropy) at `plan.want`, 0 elsewhere: the layout of
+    `chunked_token_logprobs` with the same `select`. Differentiable."""
+    cache = DynamicCache()
+    width = plan.prefix_ids.shape[1]
+    positions = torch.arange(width, device=input_ids.device).expand_as(plan.prefix_ids)
+    out = module(
+        input_ids=plan.prefix_ids,
+        attention_mask=plan.prefix_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    lengths = plan.prefix_mask.sum(-1)
+    last = out.logits[torch.arange(len(lengths)), lengths - 1]  # (P, H) predicts token `start`
+    hidden = last[plan.row_prefix][:, None]  # (b, 1, H)
+    if plan.suffix_ids.shape[1] > 0:
+        cache.batch_select_indices(plan.row_prefix)  # (b, heads, Lp, d): autograd-tracked
+        span = torch.arange(plan.suffix_ids.shape[1], device=input_ids.device)
+        suffix = module(
+            input_ids=plan.suffix_ids,
+            attention_mask=torch.cat([plan.prefix_mask[plan.row_prefix], plan.suffix_mask], 1),
+            position_ids=plan.start[:, None] + span,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        hidden = torch.cat([hidden, suffix], 1)  # (b, 1 + S, H): [:, k] predicts start + k
+    cols = plan.start[:, None] + torch.arange(hidden.shape[1], device=input_ids.device)
+    inside = cols < input_ids.shape[1]
+    cols = cols.clamp(max=input_ids.shape[1] - 1)
+    wanted = plan.want.gather(1, cols) & inside  # (b, 1 + S)
+    lp, ent = project_rows(
+        hidden[wanted], head, input_ids.gather(1, cols)[wanted], with_entropy, chunk_tokens
+    )
+    # row-major order of `wanted` (r, k) is that of `want` (r, start_r + k)
+    lp_grid = lp.new_zeros(plan.want.shape).masked_scatter(plan.want, lp)
+    if not with_entropy:
+        return lp_grid, None
+    return lp_grid, ent.new_zeros(plan.want.shape).masked_scatter(plan.want, ent)
+
+
+def supports_prefix_cache(model: torch.nn.Module) -> bool:
+    """The model's forward takes a KV cache and position ids, and every layer attends to
+    the whole past (a sliding window would see a different past through a cache)."""
+    params = inspect.signature(model.forward).parameters
+    config = model.config.get_text_config()
+    full = all(t == "full_attention" for t in getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None) or getattr(
+        config, "attention_chunk_size", None
+    )
+    return "past_key_values" in params and "position_ids" in params and full and not window
+
+
+def _right_pad(rows: list[list[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=like.dtype)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=like.dtype)
+        mask[i, : len(r)] = 1
+    return ids.to(like.device), mask.to(like.device)

@@ -1,0 +1,180 @@
+"""The shared-prefix forward equals the plain forward (tiny model, CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nexrl.models.tiny import SPECIALS, VOCAB_SIZE
+from nexrl.training import shared_prefix
+from nexrl.training.shared_prefix import plan_prefixes
+from nexrl.training.torch_engine import TorchTrainEngine
+from nexrl.types import Batch
+
+PPO = {"clip_low": 0.2, "clip_high": 0.28, "entropy_coef": 0.03}
+# (prompt length, group size, response lengths cycled over the group)
+GROUPS = [(5, 4, [3, 6, 1]), (9, 3, [4, 2]), (3, 1, [7]), (5, 2, [5])]
+
+
+def grouped_batch(seed: int = 0, t: int = 18) -> Batch:
+    """GRPO-like rows: groups of equal prompts, responses of different lengths, right
+    padding, a group of one, two prompts of equal length, one row with loss-mask holes."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for plen, size, rlens in GROUPS:
+        prompt = torch.randint(len(SPECIALS), VOCAB_SIZE, (plen,), generator=g)
+        for i in range(size):
+            response = torch.randint(
+                len(SPECIALS), VOCAB_SIZE, (rlens[i % len(rlens)],), generator=g
+            )
+            rows.append((prompt, response))
+    n = len(rows)
+    ids, att, mask = (torch.zeros(n, t, dtype=torch.long) for _ in range(3))
+    for r, (prompt, response) in enumerate(rows):
+        length = len(prompt) + len(response)
+        ids[r, :length] = torch.cat([prompt, response])
+        att[r, :length] = 1
+        mask[r, len(prompt) : length] = 1
+    mask[1, 7:9] = 0  # tool output inside the response: not trained
+    adv = torch.randn(n, 1, generator=g) * mask
+    return Batch(
+        {"input_ids": ids, "attention_mask": att, "loss_mask": mask.float(), "advantages": adv}
+    )
+
+
+def engine(tiny_model: str, **config) -> TorchTrainEngine:
+    return TorchTrainEngine({"logprob_positions": "response", **config}, tiny_model)
+
+
+def test_plan_groups_rows_by_prompt_and_counts_tokens():
+    batch = grouped_batch()
+    v = batch.values
+    plan = plan_prefixes(v["input_ids"], v["attention_mask"], v["loss_mask"])
+    prompts = [p for p, size, _ in GROUPS for _ in range(size)]
+    assert plan.start.tolist() == prompts
+    assert len(plan.prefix_ids) == len(GROUPS)  # one forward per distinct prompt
+    assert plan.row_prefix.tolist() == [k for k, (_, s, _) in enumerate(GROUPS) for _ in range(s)]
+    # each suffix stops before the row's last response token
+    lengths = v["attention_mask"].sum(-1)
+    assert plan.suffix_mask.sum(-1).tolist() == (lengths - plan.start - 1).tolist()
+    assert plan.model_tokens == sum(p for p, _, _ in GROUPS) + int(plan.suffix_mask.sum())
+
+
+def test_no_shared_prefix_means_no_plan():
+    v = grouped_batch().values
+    distinct = [0, 4, 7, 8]  # one row of each group
+    keys = ("input_ids", "attention_mask", "loss_mask")
+    assert plan_prefixes(*(v[k][distinct] for k in keys)) is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"logprob_chunk_tokens": 5},
+        {"logprob_chunk_tokens": 0},
+        {"attn_implementation": "eager"},
+    ],
+)
+def test_logprobs_and_entropy_equal_the_plain_path(tiny_model, config):
+    batch = grouped_batch()
+    shared = engine(tiny_model, shared_prefix=True, **config)
+    plain = engine(tiny_model, shared_prefix=False, **config)
+    mask = batch.values["loss_mask"].bool()
+    for name in ("compute_logprobs", "compute_entropy"):
+        ours, ref = getattr(shared, name)(batch), getattr(plain, name)(batch)
+        torch.testing.assert_close(ours[mask], ref[mask], atol=1e-5, rtol=1e-5)
+        assert (ours[~mask] == 0).all() and ours[mask].abs().min() > 0
+    assert shared._model_tokens < plain._model_tokens
+
+
+@pytest.mark.parametrize("lora", [None, {"rank": 4}])
+def test_train_step_gives_the_plain_gradients_and_update(tiny_model, lora):
+    batch = grouped_batch(seed=1)
+    a = engine(tiny_model, shared_prefix=True, lora=lora, micro_batch_tokens=80)
+    b = engine(tiny_model, shared_prefix=False, lora=lora, micro_batch_tokens=80)
+    ma = a.train_batch(batch, "ppo_clip", PPO)
+    mb = b.train_batch(batch, "ppo_clip", PPO)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-7), key
+    assert ma["model_tokens"] < mb["model_tokens"] == mb["tokens"]
+    grads_b = {k: p.grad for k, p in b.model.named_parameters() if p.requires_grad}
+    assert grads_b
+    for name, p in a.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads_b[name], atol=1e-5, rtol=1e-4)
+    params_b = dict(b.model.named_parameters())
+    for name, p in a.model.named_parameters():
+        torch.testing.assert_close(p, params_b[name], atol=1e-5, rtol=1e-5)
+
+
+def spy(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = shared_prefix.shared_prefix_logprobs
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("nexrl.training.torch_engine.shared_prefix_logprobs", counting)
+    return calls
+
+
+def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch):
+    calls = spy(monkeypatch)
+    batch = grouped_batch()
+    engine(tiny_model).compute_logprobs(batch)  # auto: on
+    assert len(calls) == 1
+    engine(tiny_model, shared_prefix=False).compute_logprobs(batch)
+    engine(tiny_model).compute_logprobs(batch.select([0, 4, 7, 8]))  # nothing shared
+    engine(tiny_model, logprob_positions="all").compute_logprobs(batch)  # prompt wanted too
+    engine(tiny_model, use_packing=True).compute_logprobs(batch)
+    checkpointed = engine(tiny_model, shared_prefix=True, gradient_checkpointing=True)
+    with pytest.warns(UserWarning, match="gradient checkpointing"):
+        checkpointed.train_batch(batch, "ppo_clip", PPO)
+    assert len(calls) == 1
+    checkpointed.compute_logprobs(batch)  # eval: the cache works under checkpointing
+    assert len(calls) == 2
+
+
+def test_auto_skips_a_plan_that_computes_more_padded_tokens(tiny_model, monkeypatch):
+    calls = spy(monkeypatch)
+    # two rows share a long prompt; two short prompts have long responses: the suffix
+    # forward would pad every row to the long responses (3 x 10 + 4 x 9 > 4 x 11 tokens)
+    ids = torch.randint(len(SPECIALS), VOCAB_SIZE, (4, 11), generator=torch.Generator())
+    ids[1, :10] = ids[0, :10]
+    mask = torch.zeros(4, 11)
+    mask[:2, 10] = 1
+    mask[2:, 1:] = 1
+    batch = Batch({"input_ids": ids, "attention_mask": torch.ones(4, 11), "loss_mask": mask})
+    auto, forced = engine(tiny_model), engine(tiny_model, shared_prefix=True)
+    torch.testing.assert_close(auto.compute_logprobs(batch), forced.compute_logprobs(batch))
+    assert len(calls) == 1  # the forced one
+    assert auto._model_tokens == 44 > forced._model_tokens
+
+
+def test_a_run_with_shared_prefix_trains(tmp_path, tiny_model, monkeypatch):
+    from nexrl.config import load_config
+    from nexrl.controller import NexRLController
+
+    calls = spy(monkeypatch)
+    controller = NexRLController(
+        load_config(
+            [
+                f"model_path={tiny_model}",
+                f"run_dir={tmp_path / 'run'}",
+                "train_worker.engine.shared_prefix=true",
+                "train_worker.total_train_steps=2",
+                "rollout_worker.group_size=4",
+                "trajectory_pool.batch_size=8",
+                "validate.validate_before_train=false",
+                "validate.data.max_items=4",
+                "logger.backend=[jsonl]",
+            ]
+        )
+    )
+    try:
+        controller.run()
+    finally:
+        controller.shutdown()
+    assert len(calls) >= 2  # every train step took the shared path
