@@ -24,7 +24,13 @@ from nexrl.inference.protocol import (
     SamplingParams,
     WeightUpdateMeta,
 )
-from nexrl.inference.sampler import StopChecker, make_output, stop_token_set, validate_params
+from nexrl.inference.sampler import (
+    StopChecker,
+    decode_all,
+    make_output,
+    stop_token_set,
+    validate_params,
+)
 from nexrl.inference.weights import (
     load_model_and_tokenizer,
     load_weights_into,
@@ -142,7 +148,8 @@ class HFEngine:
                 reason = "abort"
             ids, lp = ids[:end], lp[:end]
             versions = [self._version] * len(ids)
-            results.append(make_output(self.tokenizer, ids, lp, versions, reason, params.stop))
+            text = decode_all(self.tokenizer, [ids])[0]
+            results.append(make_output(text, ids, lp, versions, reason, params.stop))
         return results
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:

@@ -133,16 +133,27 @@ def stop_token_set(params: SamplingParams, eos_token_ids: Sequence[int]) -> list
     return sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)})
 
 
+def decode_all(tokenizer, ids: Sequence[list[int]]) -> list[str]:
+    """The texts of several outputs (special tokens skipped), in one tokenizer call when
+    the tokenizer is a fast one that needs no clean-up pass; "" each without a tokenizer."""
+    if tokenizer is None:
+        return [""] * len(ids)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch([list(x) for x in ids], skip_special_tokens=True)
+    return [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+
+
 def make_output(
-    tokenizer,
+    text: str,
     ids: list[int],
     logprobs: list[float],
     versions: list[int],
     finish_reason: str,
     stop: Sequence[str] = (),
 ) -> GenerationOutput:
-    """Build a `GenerationOutput`; the text is cut before the first stop string, ids are not."""
-    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+    """Build a `GenerationOutput` from the decoded `text`; the text is cut before the first
+    stop string, ids are not."""
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     if hits:
         text = text[: min(hits)]

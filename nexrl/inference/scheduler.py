@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nexrl.inference.protocol import GenerationOutput, GenerationRequest, TokenCallback
-from nexrl.inference.sampler import StopChecker, make_output
+from nexrl.inference.sampler import StopChecker, decode_all, make_output
 
 
 @dataclass
@@ -116,13 +116,18 @@ class RunningBatch:
             extra = width - self.stop_ids.shape[1]
             pad = torch.full((self.max_slots, extra), -1, dtype=torch.long, device=self.pos.device)
             self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
-        for i, (row, plen) in enumerate(zip(rows, prompt_lens, strict=True)):
-            p, j = row.pending.request.sampling, start + i
-            self.max_gen[j] = min(p.max_new_tokens, self.max_len - plen)
-            self.pos[j] = plen - 1
-            self.temp[j], self.top_p[j], self.top_k[j] = p.temperature, p.top_p, p.top_k
-            self.stop_ids[j] = -1
-            self.stop_ids[j, : len(row.pending.stop_ids)] = torch.tensor(row.pending.stop_ids)
+        params = [r.pending.request.sampling for r in rows]
+        dev = self.pos.device
+        plens = torch.tensor(prompt_lens, dtype=torch.long, device=dev)
+        wanted = torch.tensor([p.max_new_tokens for p in params], dtype=torch.long, device=dev)
+        self.max_gen[idx] = torch.minimum(wanted, self.max_len - plens)
+        self.pos[idx] = plens - 1
+        self.temp[idx] = torch.tensor([p.temperature for p in params], device=dev)
+        self.top_p[idx] = torch.tensor([p.top_p for p in params], device=dev)
+        self.top_k[idx] = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        stops = [r.pending.stop_ids for r in rows]
+        grid = [ids + [-1] * (self.stop_ids.shape[1] - len(ids)) for ids in stops]
+        self.stop_ids[idx] = torch.tensor(grid, dtype=torch.long, device=dev)
         self.n_gen[idx] = 0
         self.abort[idx] = False
         self.rows.extend(rows)
@@ -182,19 +187,20 @@ class RunningBatch:
         lengths = self.n_gen[index].tolist()
         tokens, lps = self.out_tok[index].tolist(), self.out_lp[index].tolist()
         versions, aborted = self.out_ver[index].tolist(), self.abort[index].tolist()
+        ids = [tokens[k][:n] for k, n in enumerate(lengths)]
+        texts = decode_all(tokenizer, ids)
         taken = []
         for k, j in enumerate(rows):
-            row, n = self.rows[j], lengths[k]
-            ids = tokens[k][:n]
+            row, n, out = self.rows[j], lengths[k], ids[k]
             if aborted[k]:
                 reason = "abort"
-            elif n and (ids[-1] in row.pending.stop_ids or row.pending.checker.find(ids) >= 0):
+            elif n and (out[-1] in row.pending.stop_ids or row.pending.checker.find(out) >= 0):
                 reason = "stop"
             else:
                 reason = "length"
             stop = row.pending.request.sampling.stop
-            out = make_output(tokenizer, ids, lps[k][:n], versions[k][:n], reason, stop)
-            taken.append((row, out))
+            sample = make_output(texts[k], out, lps[k][:n], versions[k][:n], reason, stop)
+            taken.append((row, sample))
         return taken
 
     def compact(self, finished: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
