@@ -47,8 +47,10 @@ class RolloutWorkerConfig:
     type: str = "single_turn"
     """Worker type: `single_turn` (generate, score with `reward_fn`) or `simple`
     (generate only), or an import path `package.module:Class`."""
-    num_workers: int = 4
-    """Rollout worker threads (local) or actors (Ray); each handles one task at a time."""
+    num_workers: int = 16
+    """Rollout worker threads (local) or actors (Ray); each handles one task at a time. One
+    per group of a train batch (`trajectory_pool.batch_size / group_size`) lets a step's
+    prompts reach the engine together, so they decode as one batch."""
     group_size: int = 16
     """Samples per prompt (the GRPO group, the `n` of the request)."""
     reward_fn: str = "shift_letters"
