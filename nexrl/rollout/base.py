@@ -19,6 +19,7 @@ A trajectory still missing a required key raises an error that names it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from nexrl.protocols import (
     ValidatorLike,
     WeightSyncLike,
 )
-from nexrl.rewards.runner import RewardRunner
+from nexrl.rewards.runner import RewardCall, RewardOutcome, RewardRunner
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
 logger = logging.getLogger(__name__)
@@ -220,14 +221,26 @@ class BaseRolloutWorker(LoopModule):
         """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its
         named components land in `sample["scores"]`. A failed call raises `RewardFailed`
         (reported, the task retried) and is counted in `rewards/failed/<kind>`."""
+        return self._reward_of(row, sample, self._rewards.score(*self._reward_call(row, sample)))
+
+    def score_group(self, row: dict[str, Any], samples: list[dict[str, Any]]) -> list[float]:
+        """`score` of every sample of one task in one runner call (one thread hop per group,
+        not per sample). The first failed sample raises as in `score`; the samples after
+        it are not waited for (those not started yet are cancelled)."""
+        calls = [self._reward_call(row, s) for s in samples]
+        with contextlib.closing(self._rewards.iter_scores(calls)) as outcomes:
+            return [self._reward_of(row, s, o) for s, o in zip(samples, outcomes, strict=True)]
+
+    def _reward_call(self, row: dict[str, Any], sample: dict[str, Any]) -> RewardCall:
         data = {k: v for k, v in row.items() if k != "prompt"}
-        outcome = self._rewards.score(
-            row.get(self._context.prompt_key),
-            sample["response"],
-            sample.get("prompt_ids"),
-            sample.get("response_ids"),
-            data,
+        prompt = row.get(self._context.prompt_key)
+        return RewardCall(
+            prompt, sample["response"], sample.get("prompt_ids"), sample.get("response_ids"), data
         )
+
+    def _reward_of(
+        self, row: dict[str, Any], sample: dict[str, Any], outcome: RewardOutcome
+    ) -> float:
         if not outcome.ok:
             self._activity_tracker.increment(f"rewards/failed/{outcome.error}")
             raise RewardFailed(

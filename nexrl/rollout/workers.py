@@ -158,9 +158,10 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         if isinstance(choices, StepResult):
             return choices
         tag = self._model_tag()
+        scored = self._reward_fn is not None
+        rewards = self.score_group(task, choices) if scored else [None] * len(choices)
         group = []
-        for c in choices:
-            reward = self.score(task, c) if self._reward_fn is not None else None
+        for c, reward in zip(choices, rewards, strict=True):
             traj = make_trajectory(task, c, reward, tag)
             if c.get("scores"):
                 traj["scores"] = c["scores"]

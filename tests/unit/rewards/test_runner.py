@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+from collections import Counter
 
 import pytest
 
-from nexrl.rewards import exact_match
-from nexrl.rewards.runner import RewardResult, RewardRunner
+from nexrl.rewards import exact_match, shift_letters
+from nexrl.rewards.runner import (
+    PreparedReward,
+    RewardCall,
+    RewardResult,
+    RewardRunner,
+    call_reward,
+)
 
 
 def seed_reward(prompt, completion, prompt_ids, completion_ids, **kwargs):
@@ -30,8 +38,10 @@ def hangs(prompt, completion, **row):
     return 1.0
 
 
-def dies(prompt, completion, **row):
-    os._exit(3)
+def dies_if_asked(prompt, completion, **row):
+    if row.get("die"):
+        os._exit(3)
+    return components(prompt, completion)
 
 
 def raises(prompt, completion, **row):
@@ -98,12 +108,11 @@ def test_process_pool_kills_hangs_and_survives_crashes() -> None:
     with RewardRunner(hangs, timeout_s=0.5, use_process_pool=True, max_workers=2) as runner:
         outs = [runner.score("p", "c") for _ in range(2)]
         assert [o.error for o in outs] == ["timeout", "timeout"]
-    runner = RewardRunner(dies, timeout_s=10, use_process_pool=True, max_workers=1)
+    runner = RewardRunner(dies_if_asked, timeout_s=10, use_process_pool=True, max_workers=1)
     try:
-        out = runner.score("p", "c")
+        out = runner.score("p", "c", row={"die": True})
         assert out.error == "crash" and "3" in out.detail
-        runner.fn = components  # the pool replaced its dead worker and goes on
-        out = asyncio.run(runner.ascore("p", "c"))
+        out = asyncio.run(runner.ascore("p", "c"))  # the pool replaced its dead worker
         assert out.ok and out.scores == {"format": 1.0, "correct": 0.0}
         assert runner.stats == {"calls": 2, "timeout": 0, "crash": 1, "exception": 0}
     finally:
@@ -121,6 +130,150 @@ def test_process_pool_async_and_seed_rewards() -> None:
             )
 
         assert [o.reward for o in asyncio.run(many())] == [0.0, 1.0] * 4
+
+
+def _fields(outcomes):
+    return [(o.reward, o.scores, o.error) for o in outcomes]
+
+
+def _group(n: int = 6) -> list[RewardCall]:
+    """Items that score differently under every test reward (n = completion_ids length)."""
+    return [
+        RewardCall("abcd>", "bcde"[: i % 5], [1], list(range(i % 3)), {"answer": "bcd", "n": 1})
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("fn", [shift_letters, exact_match, seed_reward, async_reward])
+@pytest.mark.parametrize("timeout_s", [5.0, None])
+def test_score_many_equals_score_per_item(fn, timeout_s) -> None:
+    items = _group()
+    with RewardRunner(fn, timeout_s=timeout_s) as runner:
+        alone = [runner.score(*item) for item in items]
+        assert all(o.ok for o in alone) and len({o.reward for o in alone}) > 1
+        assert _fields(runner.score_many(items)) == _fields(alone)
+        assert runner.score_many([]) == []
+        assert runner.stats["calls"] == 2 * len(items)
+
+
+def test_both_signatures_through_the_prepared_call() -> None:
+    def strict(prompt, completion, answer):
+        return float(completion == answer)
+
+    seed = PreparedReward.of(seed_reward)
+    assert seed.seed_signature and seed.row_keys is None and not seed.is_async
+    assert PreparedReward.of(strict).row_keys == frozenset({"prompt", "completion", "answer"})
+    row = {"answer": "x", "n": 2, "index": 4}
+    assert call_reward(strict, "p", "x", [], [], row) == 1.0
+    assert call_reward(seed_reward, "p", "x", [1], [7, 8], row) == 1.0
+    with RewardRunner(strict, timeout_s=5) as a, RewardRunner(seed_reward, timeout_s=5) as b:
+        items = [RewardCall("p", c, [1], [7] * len(c), row) for c in ("x", "yy")]
+        assert [o.reward for o in a.score_many(items)] == [1.0, 0.0]
+        assert [o.reward for o in b.score_many(items)] == [0.0, 1.0]
+    with pytest.raises(AttributeError):
+        a.fn = seed_reward  # the call shape is fixed at construction
+
+
+def test_without_timeout_a_sync_reward_runs_in_the_callers_thread() -> None:
+    threads = []
+
+    def where(prompt, completion, **row):
+        threads.append(threading.get_ident())
+        return 1.0
+
+    with RewardRunner(where, timeout_s=None) as runner:
+        runner.score("p", "c")
+        runner.score_many(_group(3))
+    assert threads == [threading.get_ident()] * 4
+
+
+def _gated(release: threading.Event, calls: Counter):
+    """A sync reward that blocks on items with `hang` until `release` is set."""
+
+    def reward(prompt, completion, **row):
+        calls[completion] += 1
+        if row.get("hang"):
+            release.wait(10)
+        if row.get("fail"):
+            raise ZeroDivisionError(completion)
+        return float(len(completion))
+
+    return reward
+
+
+def test_hung_item_times_out_and_the_rest_are_still_scored() -> None:
+    release, calls = threading.Event(), Counter()
+    items = [RewardCall("p", c, row={"hang": c == "bb"}) for c in ("a", "bb", "ccc", "dddd")]
+    with RewardRunner(_gated(release, calls), timeout_s=0.3) as runner:
+        start = time.monotonic()
+        outs = runner.score_many(items)
+        elapsed = time.monotonic() - start
+        release.set()
+        time.sleep(0.2)  # the stuck job wakes up: it must not score "ccc" and "dddd" again
+    assert [o.error for o in outs] == [None, "timeout", None, None]
+    assert [o.reward for o in outs] == [1.0, None, 3.0, 4.0]
+    assert 0.3 <= elapsed < 2.0
+    assert calls == {"a": 1, "bb": 1, "ccc": 1, "dddd": 1}
+    assert runner.stats == {"calls": 4, "timeout": 1, "crash": 0, "exception": 0}
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, None])
+def test_one_raising_item_does_not_affect_the_others(timeout_s) -> None:
+    release, calls = threading.Event(), Counter()
+    items = [RewardCall("p", c, row={"fail": c == "bb"}) for c in ("a", "bb", "ccc")]
+    with RewardRunner(_gated(release, calls), timeout_s=timeout_s) as runner:
+        outs = runner.score_many(items)
+    assert [o.error for o in outs] == [None, "exception", None]
+    assert [o.reward for o in outs] == [1.0, None, 3.0]
+    assert "ZeroDivisionError: bb" in outs[1].detail
+
+
+def test_async_group_one_loop_with_per_item_failures() -> None:
+    loops = set()
+
+    async def slow_or_failing(prompt, completion, **row):
+        loops.add(id(asyncio.get_running_loop()))
+        if completion == "hang":
+            await asyncio.sleep(10)
+        if completion == "fail":
+            raise KeyError(completion)
+        return float(len(completion))
+
+    items = [RewardCall("p", c) for c in ("a", "hang", "fail", "dddd")]
+    with RewardRunner(slow_or_failing, timeout_s=0.3) as runner:
+        start = time.monotonic()
+        outs = runner.score_many(items)
+        assert time.monotonic() - start < 2.0
+    assert [o.error for o in outs] == [None, "timeout", "exception", None]
+    assert [o.reward for o in outs] == [1.0, None, None, 4.0]
+    assert len(loops) == 1
+
+
+def test_closing_iter_scores_early_cancels_the_items_not_started() -> None:
+    release, calls = threading.Event(), Counter()
+    items = [RewardCall("p", c, row={"hang": c == "bb"}) for c in ("a", "bb", "ccc", "dddd")]
+    with RewardRunner(_gated(release, calls), timeout_s=5) as runner:
+        outcomes = runner.iter_scores(items)
+        assert next(outcomes).reward == 1.0
+        while not calls["bb"]:  # the job is inside item "bb"
+            time.sleep(0.01)
+        outcomes.close()  # as the rollout worker does after a failure
+        release.set()
+        time.sleep(0.2)
+    assert calls == {"a": 1, "bb": 1}
+
+
+@pytest.mark.slow
+def test_process_pool_score_many() -> None:
+    items = [RewardCall("p", "ab", row={"answer": a}) for a in ("ab", "x", "ab")]
+    with RewardRunner(async_reward, timeout_s=10, use_process_pool=True) as runner:
+        assert _fields(runner.score_many(items)) == _fields([runner.score(*i) for i in items])
+    with RewardRunner(seed_reward, timeout_s=10, use_process_pool=True) as runner:
+        group = _group(4)
+        assert _fields(runner.score_many(group)) == _fields([runner.score(*i) for i in group])
+    crashy = [RewardCall("p", "c", row={"die": i == 1}) for i in range(3)]
+    with RewardRunner(dies_if_asked, timeout_s=10, use_process_pool=True) as runner:
+        assert [o.error for o in runner.score_many(crashy)] == [None, "crash", None]
 
 
 def test_bad_arguments() -> None:
