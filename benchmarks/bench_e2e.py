@@ -11,9 +11,11 @@ Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
 fully-async (staleness 1, in-flight weight updates). Validation is off on the
 nexrl side so both report the same thing: median seconds per step and the
 seconds (sum of step times, start-up excluded) until the train reward, averaged
-over the last 5 steps, first reaches 0.9.
+over the last 5 steps, first reaches 0.9. The split: "rollout s" is HF `generate` in
+the minimal loop and `timing/wait_s` (the wait for the batch) on the nexrl side;
+"update s" is the forward / backward / optimizer step (`timing/update_s`).
 
-    python benchmarks/bench_e2e.py                # until 0.9 or 400 steps each
+    python benchmarks/bench_e2e.py                # until 0.9 or 600 steps each
     python benchmarks/bench_e2e.py --steps 60     # a partial run: s/step ratios only
     python benchmarks/bench_e2e.py --smoke        # seconds: 2 tiny steps of each side
 
@@ -104,6 +106,7 @@ def minimal_grpo(
                 pad_token_id=pad_id,
                 eos_token_id=tok.eos_token_id,
             )
+        t_gen = time.perf_counter() - t0
         texts = tok.batch_decode(seqs[:, n_prompt:], skip_special_tokens=True)
         rewards = torch.tensor(
             [
@@ -114,12 +117,21 @@ def minimal_grpo(
         r = rewards.view(prompts, group)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
         model.train()
+        t1 = time.perf_counter()
         loss = grpo_loss(model, seqs, n_prompt, adv, pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
-        history.append({"reward": float(rewards.mean()), "step_s": time.perf_counter() - t0})
+        t2 = time.perf_counter()
+        history.append(
+            {
+                "reward": float(rewards.mean()),
+                "step_s": t2 - t0,
+                "gen_s": t_gen,
+                "update_s": t2 - t1,
+            }
+        )
         if (step + 1) % 25 == 0:
             print(f"  minimal loop step {step + 1}: reward {history[-1]['reward']:.3f}", flush=True)
         if summarise(history)["s_to_target"] is not None:
@@ -136,12 +148,20 @@ def nexrl_run(overrides: list[str]) -> list[dict[str, float]]:
     controller.run()
     lines = Path(controller.run_dir, "metrics.jsonl").read_text().splitlines()
     train = [x for x in map(json.loads, lines) if "train/loss" in x]
-    return [{"reward": x["reward/mean"], "step_s": x["timing/step_s"]} for x in train]
+    return [
+        {
+            "reward": x["reward/mean"],
+            "step_s": x["timing/step_s"],
+            "gen_s": x["timing/wait_s"],  # the rollout side, as the train worker sees it
+            "update_s": x["timing/update_s"],
+        }
+        for x in train
+    ]
 
 
 def summarise(history: list[dict[str, float]]) -> dict[str, Any]:
     """Median s/step (the first step, with start-up, left out) and time to TARGET."""
-    steady = [h["step_s"] for h in history[1:]] or [history[0]["step_s"]]
+    steady = history[1:] or history[:1]
     elapsed, to_target, steps_to = 0.0, None, None
     for i, h in enumerate(history):
         elapsed += h["step_s"]
@@ -151,7 +171,9 @@ def summarise(history: list[dict[str, float]]) -> dict[str, Any]:
             break
     return {
         "steps": len(history),
-        "step_s": statistics.median(steady),
+        "step_s": statistics.median(h["step_s"] for h in steady),
+        "gen_s": statistics.median(h["gen_s"] for h in steady),
+        "update_s": statistics.median(h["update_s"] for h in steady),
         "s_to_target": to_target,
         "steps_to_target": steps_to,
         "final_reward": statistics.fmean(h["reward"] for h in history[-WINDOW:]),
@@ -160,7 +182,7 @@ def summarise(history: list[dict[str, float]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=400, help="max steps per side")
+    p.add_argument("--steps", type=int, default=600, help="max steps per side")
     p.add_argument("--smoke", action="store_true", help="2 steps of 4 x 4 each, no files")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -221,13 +243,15 @@ def write(path: Path, results: dict[str, dict[str, Any]], ratios: dict[str, Any]
         describe(),
         f"Load average at the end: {load}. torch threads: 1.",
         "",
-        "| run | steps | median s/step | steps to 0.9 | s to 0.9 | final reward (last 5) |",
-        "|---|---|---|---|---|---|",
+        "| run | steps | median s/step | rollout s | update s | steps to 0.9 | s to 0.9 "
+        "| final reward (last 5) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         fmt = "-" if r["s_to_target"] is None else f"{r['s_to_target']:.1f}"
         lines.append(
-            f"| {name} | {r['steps']} | {r['step_s']:.3f} | {r['steps_to_target'] or '-'} | "
+            f"| {name} | {r['steps']} | {r['step_s']:.3f} | {r['gen_s']:.3f} | "
+            f"{r['update_s']:.3f} | {r['steps_to_target'] or '-'} | "
             f"{fmt} | {r['final_reward']:.3f} |"
         )
     lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items()), ""]
