@@ -19,7 +19,7 @@ the minimal loop and `timing/wait_s` (the wait for the batch) on the nexrl side;
     python benchmarks/bench_e2e.py --steps 60     # a partial run: s/step ratios only
     python benchmarks/bench_e2e.py --smoke        # seconds: 2 tiny steps of each side
 
-Writes benchmarks/results/e2e.md (not in --smoke). Last line:
+Adds its section at the top of benchmarks/results/e2e.md (not in --smoke). Last line:
 `nexrl_sync_vs_minimal_step_s: X` (target <= 0.8).
 """
 
@@ -46,6 +46,7 @@ from nexrl.models.tiny import default_model_path
 from nexrl.rewards import shift_letters
 
 TARGET, WINDOW = 0.9, 5
+TITLE = "# End to end: nexrl vs a minimal GRPO loop"
 LR, CLIP, ENTROPY_COEF, GRAD_CLIP, MAX_TOKENS = 3e-4, 0.2, 0.03, 1.0, 4
 NEXRL_VARIANTS = {
     "nexrl sync": ["weight.sync_mode=sync"],
@@ -238,7 +239,7 @@ def write(path: Path, results: dict[str, dict[str, Any]], ratios: dict[str, Any]
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
     lines = [
-        f"# End to end: nexrl vs a minimal GRPO loop ({stamp})",
+        f"## {stamp}",
         "",
         describe(),
         f"Load average at the end: {load}. torch threads: 1.",
@@ -255,7 +256,9 @@ def write(path: Path, results: dict[str, dict[str, Any]], ratios: dict[str, Any]
             f"{fmt} | {r['final_reward']:.3f} |"
         )
     lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items()), ""]
-    path.write_text("\n".join(lines))
+    # newest run first, under the title; earlier runs stay below
+    earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
+    path.write_text("\n".join([TITLE, "", *lines, earlier]))
 
 
 if __name__ == "__main__":
