@@ -32,27 +32,39 @@ SAMPLE_ROWS = 32  # completions a batch carries for the trackers' sample table (
 
 
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded (B, T) tensors: prompt + response, masks and behaviour logprobs."""
-    lengths = [len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajectories]
-    B, T = len(trajectories), max(lengths)
-    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    loss_mask = torch.zeros((B, T), dtype=torch.float32)
-    behavior = torch.zeros((B, T), dtype=torch.float32)
-    for i, traj in enumerate(trajectories):
-        p, r = len(traj["prompt_ids"]), len(traj["response_ids"])
-        input_ids[i, : p + r] = torch.tensor(list(traj["prompt_ids"]) + list(traj["response_ids"]))
-        attention_mask[i, : p + r] = 1
-        loss_mask[i, p : p + r] = torch.tensor(
-            traj.get("loss_mask") or [1] * r, dtype=torch.float32
-        )
-        behavior[i, p : p + r] = torch.tensor(traj["response_logprobs"], dtype=torch.float32)
+    """Right-padded (B, T) tensors: prompt + response, masks and behaviour logprobs.
+
+    Rows are padded as Python lists and become tensors in one call per field: a batch
+    is hundreds of short rows, and per-row tensor ops cost more than the data."""
+    prompts = [list(t["prompt_ids"]) for t in trajectories]
+    responses = [list(t["response_ids"]) for t in trajectories]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    T = max(lengths)
+    ids, loss, behavior = [], [], []
+    for traj, p, r, n in zip(trajectories, prompts, responses, lengths, strict=True):
+        pad = T - n
+        mask = list(traj.get("loss_mask") or [1.0] * len(r))
+        logprobs = list(traj["response_logprobs"])
+        _check_lengths(traj, len(r), mask, logprobs)
+        ids.append(p + r + [pad_token_id] * pad)
+        loss.append([0.0] * len(p) + mask + [0.0] * pad)
+        behavior.append([0.0] * len(p) + logprobs + [0.0] * pad)
+    attention = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "behavior_logprobs": behavior,
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "attention_mask": attention.long(),
+        "loss_mask": torch.tensor(loss, dtype=torch.float32),
+        "behavior_logprobs": torch.tensor(behavior, dtype=torch.float32),
     }
+
+
+def _check_lengths(traj: Trajectory, n: int, mask: list, logprobs: list) -> None:
+    for key, values in (("loss_mask", mask), ("response_logprobs", logprobs)):
+        if len(values) != n:
+            raise ValueError(
+                f"trajectory uid={traj.get('uid')!r}: {key} has {len(values)} entries for "
+                f"{n} response_ids (one per response token)"
+            )
 
 
 def group_index(uids: list[Any]) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from nexrl.algorithms.processor import GRPOProcessor, ProcessorContext, collate, group_index
@@ -99,3 +100,24 @@ def test_kl_in_reward_without_reference_model_names_the_key():
 
     with pytest.raises(ValueError, match="ref_model_path"):
         proc._fit(Batch.from_trajectories(trajs), "train")
+
+
+def test_collate_pads_rows_and_names_a_ragged_trajectory() -> None:
+    rows = [
+        {"uid": "a", "prompt_ids": [5, 6], "response_ids": [7], "response_logprobs": [-0.5]},
+        {
+            "uid": "b",
+            "prompt_ids": [5],
+            "response_ids": [8, 9, 10],
+            "response_logprobs": [-1.0, -2.0, -3.0],
+            "loss_mask": [1, 0, 1],
+        },
+    ]
+    out = collate(rows, pad_token_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 0], [5, 8, 9, 10]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert out["loss_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 0, 1]]
+    assert out["behavior_logprobs"].tolist() == [[0, 0, -0.5, 0], [0, -1.0, -2.0, -3.0]]
+    rows[1]["response_logprobs"] = [-1.0]
+    with pytest.raises(ValueError, match="uid='b': response_logprobs has 1 entries for 3"):
+        collate(rows, pad_token_id=0)
