@@ -69,7 +69,7 @@ VARIANTS: dict[str, list[str]] = {
     ],
 }
 HEADLINE = "fully-async(1)"
-SYSTEM = ["rollout_worker.num_workers=16", "+service.inference_service.engine.max_batch_size=256"]
+SYSTEM = ["rollout_worker.num_workers=16", "service.inference_service.engine.max_batch_size=256"]
 TARGET = 0.9
 SMOKE = ["trajectory_pool.batch_size=8", "rollout_worker.group_size=4"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

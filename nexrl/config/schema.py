@@ -235,8 +235,9 @@ class InferenceServiceConfig:
     tool_call_parser: str = "hermes"
     """How `LLMServiceClient.generate(messages, tools=...)` reads tool calls from the reply
     (a name in `nexrl.inference.tool_parsers`), on in-process backends."""
-    engine: dict[str, Any] = field(default_factory=dict)
-    """Built-in engine options (docs/inference.md)."""
+    engine: dict[str, Any] = field(default_factory=lambda: {"max_batch_size": 256})
+    """Built-in engine options (docs/inference.md). `max_batch_size` 256: a default step's
+    16 x 16 samples decode as one batch (set it without `+`; add other options with `+`)."""
 
 
 @dataclass

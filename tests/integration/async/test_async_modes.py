@@ -58,7 +58,7 @@ def test_aborts_and_tail_batches_keep_the_bound_and_the_ledger(async_config):
     extra = [
         *MODES["fully-async-partial"],
         "+service.inference_service.engine.emulated_step_latency_s=0.01",
-        "+service.inference_service.engine.max_batch_size=32",
+        "service.inference_service.engine.max_batch_size=32",
         "rollout_worker.max_tokens=16",
         "weight.tail_batch_candidate_steps=1",
         "weight.tail_batch_trigger_size=1",
@@ -78,7 +78,7 @@ def test_inflight_updates_reach_running_requests_without_aborts(async_config):
         *MODES["fully-async-inflight"],
         "rollout_worker.max_tokens=16",
         "+service.inference_service.engine.emulated_step_latency_s=0.01",
-        "+service.inference_service.engine.max_batch_size=32",
+        "service.inference_service.engine.max_batch_size=32",
     ]
     controller = NexRLController(async_config(*extra))
     controller.run()
