@@ -25,7 +25,7 @@ sync run's median train time divided by the engine steps of one batch
 (prefill + max_tokens decode steps). A short sweep at half and double that
 latency shows how the gain depends on the balance.
 
-Both runs use 16 rollout workers and an engine batch of 256 rows, so one batch
+Both runs use the default 16 rollout workers and 256-row engine batch, so one batch
 of groups generates as one wave (a GPU engine is given the whole batch too).
 The last line is `fully_async_vs_sync_emulated: X`: samples/s of fully-async
 (staleness 1) over sync, default task, emulated engine.
@@ -69,7 +69,6 @@ VARIANTS: dict[str, list[str]] = {
     ],
 }
 HEADLINE = "fully-async(1)"
-SYSTEM = ["rollout_worker.num_workers=16", "service.inference_service.engine.max_batch_size=256"]
 TARGET = 0.9
 SMOKE = ["trajectory_pool.batch_size=8", "rollout_worker.group_size=4"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         steps, latency = {"default": 2, "long_tail": 2}, latency or 0.001
     for engine in ("emulated",) if args.smoke else ("cpu", "emulated"):
         for task in ("default", "long_tail"):
-            base = [*common(tmp, model), *SYSTEM, *task_overrides(task, tmp, steps[task])]
+            base = [*common(tmp, model), *task_overrides(task, tmp, steps[task])]
             base += SMOKE if args.smoke else []
             if engine == "emulated" and latency is None:
                 latency = calibrate(tables["cpu/default"]["sync"], max_tokens=4)
@@ -211,7 +210,7 @@ SWEPT = (HEADLINE, "fully-async(1)+abort")
 
 def run_sweep(tmp: Path, model: Path, latency: float) -> list[dict[str, Any]]:
     """sync vs the fully-async variants at half and double the calibrated latency (30 steps)."""
-    base = [*common(tmp, model), *SYSTEM, *task_overrides("default", tmp, 30)]
+    base = [*common(tmp, model), *task_overrides("default", tmp, 30)]
     rows = []
     for scale in (0.5, 2.0):
         res = run_variants(base, latency * scale, ["sync", *SWEPT])
