@@ -343,9 +343,12 @@ class RayConfig:
     """Threads per module actor (loops, calls from other actors and health checks)."""
     max_restarts: int = 0
     """Ray restarts of a dead module actor; nexrl rebuilds and rewires its modules."""
+    torch_threads: int | None = None
+    """Torch threads in each module actor; null: `NEXRL_ACTOR_THREADS` or
+    `OMP_NUM_THREADS` if set, else the driver's count (what local mode uses)."""
     colocation: dict[str, str | None] = field(default_factory=dict)
     """role -> colocation group (null: an actor of its own), over the default layout
-    data / train / rollout (docs/ray.md)."""
+    rollout / train (docs/ray.md)."""
     groups: dict[str, Any] = field(default_factory=dict)
     """group -> {num_cpus, num_gpus, max_concurrency, max_restarts, resources}."""
     train_ranks: dict[str, Any] = field(default_factory=dict)

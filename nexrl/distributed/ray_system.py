@@ -114,6 +114,7 @@ class RaySystem(ModuleSystem):
         self._owns_ray = init_ray(self.settings)
         set_default_timeout(self.settings.execute_timeout_s)
         env = actor_env(self.settings)
+        module_env = {**env, "OMP_NUM_THREADS": str(self.settings.module_threads())}
         self.replica_cluster: RayVirtualCluster | None = None
         self.replicas: list[Any] = []
         if self.settings.inference_replicas.get("bundles_per_node"):
@@ -131,7 +132,7 @@ class RaySystem(ModuleSystem):
             .remote(cfg)
         )
         self.resource_manager = RayResourceManager(
-            self.settings.group_options(), env_vars=env, tracker=self.activity_tracker
+            self.settings.group_options(), env_vars=module_env, tracker=self.activity_tracker
         )
         counts = {
             NexRLRole.TRAIN_WORKER: cfg.train_worker.num_workers,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nexrl.config.schema import RayConfig
@@ -80,6 +81,15 @@ class RaySettings(RayConfig):
                 f"ray.colocation: unknown role(s) {bad}; roles: {[r.value for r in NexRLRole]}"
             )
         return cls(**raw, colocation=colocation)
+
+    def module_threads(self) -> int:
+        """Torch threads of each module actor (`ray.torch_threads`, see the schema)."""
+        if self.torch_threads is not None:
+            if int(self.torch_threads) < 1:
+                raise ValueError(f"ray.torch_threads must be >= 1, got {self.torch_threads}")
+            return int(self.torch_threads)
+        env = os.environ.get("NEXRL_ACTOR_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        return int(env) if env else torch.get_num_threads()
 
     def group_options(self) -> dict[str, GroupOptions]:
         names = {g for g in self.colocation.values() if g} | set(self.groups)

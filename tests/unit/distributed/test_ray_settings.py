@@ -81,3 +81,18 @@ def test_forget_module_drops_only_that_modules_work():
     assert "rollout_worker_0" not in tracker.get_running_status_summary()
     tracker.end(kept)
     assert tracker.is_quiescent()
+
+
+def test_module_threads_follow_the_setting_then_the_environment_then_local_mode(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("NEXRL_ACTOR_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert RaySettings.from_config(cfg_with()).module_threads() == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert RaySettings.from_config(cfg_with()).module_threads() == 3
+    monkeypatch.setenv("NEXRL_ACTOR_THREADS", "2")
+    assert RaySettings.from_config(cfg_with()).module_threads() == 2
+    assert RaySettings.from_config(cfg_with({"torch_threads": 1})).module_threads() == 1
+    with pytest.raises(ValueError, match="ray.torch_threads must be >= 1"):
+        RaySettings.from_config(cfg_with({"torch_threads": 0})).module_threads()
