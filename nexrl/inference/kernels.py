@@ -8,6 +8,12 @@ per shape). oneDNN's linear is reached through `torch.ops.mkldnn._linear_pointwi
 op torch's own compiler emits for CPU linears. It costs about 10 µs more per call, so
 products below `ONEDNN_MIN_MACS` stay on `F.linear`.
 
+Weights of `PACK_MIN_WEIGHT` elements or more are also handed to oneDNN pre-packed
+(`weight_packer`): reordered once into its blocked layout when the runner builds its
+weights, instead of at every call. On SmolLM2-135M's decode shapes (2 AMD EPYC cores)
+that makes the linears of one step 1.16x faster at 64 rows and 1.4x at 16. Smaller
+weights (the tiny default model's) stay as they are: their calls are too short to gain.
+
 Both compute in full fp32 (no TF32/bf16 down-conversion): the logprob parity with the
 trainer holds either way (tested).
 """
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 ONEDNN_MIN_MACS = 1 << 20  # rows x in x out below which MKL's lower call cost wins
+PACK_MIN_WEIGHT = 1 << 18  # in x out from which a weight is packed for oneDNN once
 MATMUL_BACKENDS = ("auto", "torch", "onednn")
 
 
@@ -59,11 +66,29 @@ def linear_for(device: torch.device, dtype: torch.dtype, backend: str = "auto") 
         return F.linear
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() // x.shape[-1] * w.numel() >= ONEDNN_MIN_MACS:
+        if w.is_mkldnn or x.numel() // x.shape[-1] * w.numel() >= ONEDNN_MIN_MACS:
             return _onednn(x, w, b)
         return F.linear(x, w, b)
 
     return linear
+
+
+def weight_packer(
+    device: torch.device, dtype: torch.dtype, backend: str = "auto"
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What to apply to each weight for `linear_for(device, dtype, backend)`: large fp32
+    CPU weights become oneDNN-packed copies (only that linear can multiply them; the
+    model's own parameters are untouched), everything else is returned as is."""
+    on_cpu = torch.device(device).type == "cpu"
+    if backend == "torch" or not on_cpu or dtype != torch.float32 or not onednn_available(dtype):
+        return lambda w: w
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        if w.numel() < PACK_MIN_WEIGHT:
+            return w
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 64)
+
+    return pack
 
 
 def _compare(repeats: int = 500) -> None:

@@ -26,13 +26,14 @@ folded into the query axis, masked to each row's positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 import nexrl.inference.native as native
-from nexrl.inference.kernels import linear_for
+from nexrl.inference.kernels import linear_for, weight_packer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -168,21 +169,21 @@ class _Plan:
         return (keys[None] < self.lengths[:, None]).view(r, 1, 1, p)
 
 
-def _layer(block: torch.nn.Module) -> _Layer:
+def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor]) -> _Layer:
     attn, mlp = block.self_attn, block.mlp
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
         ln1=block.input_layernorm.weight,
-        qkv_w=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        qkv_w=pack(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
         qkv_b=_cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
-        o_w=attn.o_proj.weight,
+        o_w=pack(attn.o_proj.weight),
         o_b=attn.o_proj.bias,
         q_norm=qn.weight if qn is not None else None,
         k_norm=kn.weight if kn is not None else None,
         ln2=block.post_attention_layernorm.weight,
-        gate_up_w=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        gate_up_w=pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
         gate_up_b=_cat(mlp.gate_proj.bias, mlp.up_proj.bias),
-        down_w=mlp.down_proj.weight,
+        down_w=pack(mlp.down_proj.weight),
         down_b=mlp.down_proj.bias,
     )
 
@@ -222,6 +223,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.linear = linear_for(self.device, self.dtype, matmul)
+        self._pack = weight_packer(self.device, self.dtype, matmul)
         shape = (max_slots, self.n_kv, max_len, self.head_dim)
         n_layers = cfg.num_hidden_layers
         self.k_cache = [
@@ -262,8 +264,8 @@ class ModelRunner:
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.lm_head = self.model.lm_head.weight
-        self.layers = [_layer(block) for block in inner.layers]
+        self.lm_head = self._pack(self.model.lm_head.weight)
+        self.layers = [_layer(block, self._pack) for block in inner.layers]
 
     # -- cache bookkeeping ------------------------------------------------------------------
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, span: int | None = None) -> None:

@@ -2,9 +2,17 @@
 
 One batched call samples the next token of every running sequence: per-row
 temperature, top-k and top-p live in (B,) tensors, so a decode step has no
-Python loop over the batch. Only rows with their own `seed` draw their noise
-from a private `torch.Generator` (one small call per seeded row), which makes
-"same seed, same output" hold whatever else shares the batch.
+Python loop over the batch. Only rows with their own `seed` draw their random
+numbers from a private `torch.Generator` (one small call per seeded row), which
+makes "same seed, same output" hold whatever else shares the batch.
+
+Sampling is by inverse CDF in two levels (`_inverse_cdf`): pick a block of
+`CDF_BLOCK` tokens by the blocks' probability mass, then a token inside it, each
+with one uniform number and a float64 cumulative sum. It is exact (no fp32
+cumsum over the whole vocabulary, whose rounding would shift the mass of rare
+tokens) and needs 2 random numbers per row instead of one per vocabulary entry:
+at SmolLM2's 49,152 tokens and 64 rows, 7 ms instead of the 26 ms of Gumbel-max
+noise on 2 CPU cores.
 
 Logprob convention: the reported logprob of a sampled token is
 `log_softmax(logits / T)[token]`, the distribution *before* top-k/top-p
@@ -58,8 +66,8 @@ def sample_next(
         scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V) reported distribution
     filtered = _truncate(logp, top_p, top_k) if kinds.truncated else logp
-    noise = _gumbel_noise(logp.shape, generators or {}, default_generator).to(logp.device)
-    tokens = (filtered + noise).argmax(dim=-1)  # Gumbel-max == multinomial
+    u = _uniforms(logp.shape[0], generators or {}, default_generator).to(logp.device)
+    tokens = _inverse_cdf(filtered, u)
     if kinds.greedy:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
@@ -85,17 +93,37 @@ def _truncate(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> t
     return logp.masked_fill(logp < keep_min[:, None], float("-inf"))
 
 
-def _gumbel_noise(
-    shape: torch.Size,
-    generators: Mapping[int, torch.Generator],
-    default_generator: torch.Generator | None,
+CDF_BLOCK = 256
+"""Tokens per block of the two-level inverse CDF."""
+
+
+def _uniforms(
+    rows: int, generators: Mapping[int, torch.Generator], default_generator: torch.Generator | None
 ) -> torch.Tensor:
-    """-log(-log(U)) on the CPU, where the generators live (so a seed means the same on any
-    device); U from `torch.rand` (several times faster than `exponential_` on CPU)."""
-    u = torch.rand(shape, generator=default_generator)
+    """(rows, 2) float64 in (0, 1], drawn on the CPU where the generators live (so a seed
+    means the same on any device)."""
+    u = torch.rand(rows, 2, dtype=torch.float64, generator=default_generator)
     for row, gen in generators.items():
-        u[row] = torch.rand(shape[-1], generator=gen)
-    return u.log_().neg_().log_().neg_()
+        u[row] = torch.rand(2, dtype=torch.float64, generator=gen)
+    return 1.0 - u
+
+
+def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logp` (B, V) log-probabilities (-inf = excluded, rows need not
+    be normalised): block by mass with `u[:, 0]`, then token within it with `u[:, 1]`."""
+    b, v = logp.shape
+    n_blocks = -(-v // CDF_BLOCK)
+    probs = logp.exp()
+    if n_blocks * CDF_BLOCK != v:
+        probs = torch.nn.functional.pad(probs, (0, n_blocks * CDF_BLOCK - v))
+    blocks = probs.view(b, n_blocks, CDF_BLOCK)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (B, n_blocks)
+    # first index whose cdf reaches u * total: never a zero-mass entry, as u > 0
+    j = torch.searchsorted(block_cdf, (u[:, :1] * block_cdf[:, -1:])).clamp_(max=n_blocks - 1)
+    inner = blocks.gather(1, j[:, :, None].expand(b, 1, CDF_BLOCK)).squeeze(1)
+    inner_cdf = inner.double().cumsum(-1)  # (B, CDF_BLOCK)
+    k = torch.searchsorted(inner_cdf, (u[:, 1:] * inner_cdf[:, -1:])).clamp_(max=CDF_BLOCK - 1)
+    return (j * CDF_BLOCK + k).squeeze(1)
 
 
 def sample_generator(seed: int | None, sample_index: int) -> torch.Generator | None:

@@ -210,7 +210,7 @@ def test_agenerate(engine):
 
 
 def test_sampler_follows_the_distribution():
-    """Gumbel-max sampling frequencies match softmax(logits / T); top-k zeroes the rest."""
+    """Sampling frequencies match softmax(logits / T); top-k zeroes the rest."""
     from nexrl.inference.sampler import sample_next
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)

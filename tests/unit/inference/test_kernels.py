@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from nexrl.inference import native
 from nexrl.inference.engine import Engine
-from nexrl.inference.kernels import ONEDNN_MIN_MACS, linear_for, onednn_available
+from nexrl.inference.kernels import (
+    ONEDNN_MIN_MACS,
+    linear_for,
+    onednn_available,
+    weight_packer,
+)
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
 
 needs_cc = pytest.mark.skipif(
@@ -113,5 +118,41 @@ def test_fast_paths_keep_trainer_parity(
                 assert len(out.output_ids) == 12
                 assert max(abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)) < 1e-4
         assert prefills == [4]  # one packed prefill of the 4 prompts (12 rows)
+    finally:
+        engine.shutdown()
+
+
+@needs_onednn
+def test_packed_weights_match_and_follow_weight_updates(tmp_path):
+    """Weights of PACK_MIN_WEIGHT elements or more go to oneDNN pre-packed; the engine's
+    logits stay the HF model's, before and after a weight update (refresh repacks)."""
+    from nexrl.models.tiny import build_tiny_qwen2
+
+    pack = weight_packer(torch.device("cpu"), torch.float32, "auto")
+    small, large = torch.randn(64, 64), torch.randn(1024, 512)
+    assert pack(small) is small and pack(large).is_mkldnn
+    assert weight_packer(torch.device("cpu"), torch.float32, "torch")(large) is large
+    auto, x = linear_for(torch.device("cpu"), torch.float32, "auto"), torch.randn(3, 512)
+    torch.testing.assert_close(auto(x, pack(large), None), F.linear(x, large), atol=1e-4, rtol=1e-5)
+
+    path = build_tiny_qwen2(tmp_path / "wide", hidden_size=512, intermediate_size=1024)
+    engine = Engine(path, max_batch_size=4)
+    try:
+        runner, model = engine.runner, engine.model
+        assert runner.layers[0].gate_up_w.is_mkldnn and runner.lm_head is not None
+        ids = torch.tensor([[5, 9, 11, 4, 7]])
+
+        def check() -> None:
+            logits = runner.prefill(ids, torch.tensor([5]), torch.tensor([0]), torch.tensor([0]))
+            with torch.inference_mode():
+                ref = model(ids).logits[0, -1]
+            torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=1e-4)
+
+        check()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        runner.refresh()
+        check()
     finally:
         engine.shutdown()

@@ -1,0 +1,53 @@
+"""The two-level inverse-CDF sampler: exact frequencies, exclusions, seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from nexrl.inference.sampler import CDF_BLOCK, SampleKinds, _inverse_cdf, sample_next
+
+
+def test_inverse_cdf_matches_the_distribution_across_blocks() -> None:
+    torch.manual_seed(0)
+    vocab = 2 * CDF_BLOCK + 37  # a ragged last block
+    logits = torch.randn(vocab) * 2
+    logits[3] = logits[vocab - 1] = float("-inf")  # excluded tokens, first and last block
+    logits[CDF_BLOCK + 5] = logits.max() + 4  # one heavy token next to many rare ones
+    logp = torch.log_softmax(logits, -1)
+    n = 400_000
+    u = 1.0 - torch.rand(n, 2, dtype=torch.float64)
+    tokens = _inverse_cdf(logp.expand(n, vocab), u)
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    p = logp.exp().double()
+    assert freq[3] == 0 and freq[vocab - 1] == 0 and tokens.max() < vocab
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 5 * sigma + 1e-6).all()
+
+
+def test_unnormalised_truncated_rows_sample_their_kept_tokens_only() -> None:
+    logp = torch.full((4, 300), float("-inf"))
+    logp[0, 299] = -5.0  # a single kept token, far below probability 1
+    logp[1, [0, 1]] = -9.0
+    logp[2, 256] = 0.0  # first token of the last, ragged block
+    logp[3, :] = 0.0
+    u = torch.tensor([[1.0, 1.0], [1e-12, 1e-12], [0.5, 0.5], [1.0, 1.0]], dtype=torch.float64)
+    tokens = _inverse_cdf(logp, u)
+    assert tokens[:3].tolist() == [299, 0, 256] and tokens[3] == 299
+
+
+def test_seeded_rows_repeat_whatever_shares_the_batch() -> None:
+    logits = torch.randn(3, 1000)
+    ones, k = torch.ones(3), torch.zeros(3, dtype=torch.long)
+    kinds = SampleKinds(greedy=False, tempered=False, truncated=False)
+
+    def draw(other_seed: int) -> torch.Tensor:
+        gens = {1: torch.Generator().manual_seed(7)}
+        default = torch.Generator().manual_seed(other_seed)
+        tokens, logprobs = sample_next(logits, ones, ones, k, gens, default, kinds)
+        expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        assert torch.allclose(logprobs, expected)
+        return tokens
+
+    draws = [draw(seed) for seed in range(20)]
+    assert len({int(t[1]) for t in draws}) == 1  # the seeded row
+    assert len({int(t[0]) for t in draws}) > 1  # the others vary with the default generator
