@@ -248,7 +248,10 @@ class ActivityTrackerProxy:
     def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
         """Mark `work` in flight; an exception is reported (if asked) and re-raised."""
         ledger = served_ledger()  # this actor's own ledger (Ray mode), else the tracker's
-        token = ledger.start(module, work) if ledger else execute(self._central.start, module, work)
+        if ledger is not None:
+            token = ledger.start(module, work)
+        else:
+            token = execute(self._central.start, module, work)
         try:
             yield
         except Exception as exc:
