@@ -345,7 +345,8 @@ class RayConfig:
     """Ray restarts of a dead module actor; nexrl rebuilds and rewires its modules."""
     torch_threads: int | None = None
     """Torch threads in each module actor; null: `NEXRL_ACTOR_THREADS` or
-    `OMP_NUM_THREADS` if set, else the driver's count (what local mode uses)."""
+    `OMP_NUM_THREADS` if set, else 1 (robust on a shared machine; local mode's count,
+    e.g. 2, is faster on a dedicated one: benchmarks/results/ray.md)."""
     colocation: dict[str, str | None] = field(default_factory=dict)
     """role -> colocation group (null: an actor of its own), over the default layout
     rollout / train (docs/ray.md)."""

@@ -45,7 +45,6 @@ import ray
 from omegaconf import DictConfig
 
 from nexrl.distributed.recovery import ActorRestartedError
-from nexrl.monitoring.ledger import WorkItem, serve_process_ledger
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
@@ -125,8 +124,6 @@ class ModuleActor:
     ) -> None:
         self._modules: dict[str, Any] = {}
         self._fence: str | None = None
-        # the tracker reads this process's ledger (RayResourceManager.create_all_actors)
-        self._ledger = serve_process_ledger() if tracker is not None else None
         actor_id = _current_actor_id() or "driver"
         for role, builder, count in specs:
             for i in range(count):
@@ -168,11 +165,6 @@ class ModuleActor:
 
     def ping(self) -> bool:
         return True
-
-    def activity_snapshot(self) -> list[WorkItem]:
-        """The work this actor's modules have in flight (fresh after a restart: the work
-        of the dead process went with it)."""
-        return self._ledger.items() if self._ledger is not None else []
 
     def call_counts(self) -> dict[str, int]:
         """Ray calls this actor's modules made through `execute`, by `module.method`."""
@@ -345,8 +337,6 @@ class RayResourceManager:
                     )
                     for i in range(reg.count)
                 ]
-        if self._tracker is not None:
-            ray.get([self._tracker.add_source.remote(g, a) for g, a in self.actors.items()])
         return self.actors
 
     def _options(self, group: str) -> GroupOptions:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nexrl.config.schema import RayConfig
@@ -89,7 +88,7 @@ class RaySettings(RayConfig):
                 raise ValueError(f"ray.torch_threads must be >= 1, got {self.torch_threads}")
             return int(self.torch_threads)
         env = os.environ.get("NEXRL_ACTOR_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        return int(env) if env else torch.get_num_threads()
+        return int(env) if env else 1
 
     def group_options(self) -> dict[str, GroupOptions]:
         names = {g for g in self.colocation.values() if g} | set(self.groups)

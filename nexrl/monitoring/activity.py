@@ -13,14 +13,11 @@ the pool; then "loader finished and rollout workers quiescent" means every
 loaded task has arrived, which the trajectory pool's tail-batch rule relies on.
 The `module` string given to `track` must be the name passed to
 `register_module` for `is_rollout_worker_quiescent` to see it.
-
-In Ray mode each module actor brackets its modules' work in a ledger of its own
-process, which the tracker reads when asked about in-flight work
-(nexrl/monitoring/ledger.py): no Ray call per work item.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -32,7 +29,6 @@ from omegaconf import OmegaConf
 
 from nexrl.execute import execute, execute_async
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
-from nexrl.monitoring.ledger import ActivityLedger, WorkItem, served_ledger
 from nexrl.monitoring.loggers import ExperimentLogger
 
 logger = logging.getLogger(__name__)
@@ -78,9 +74,8 @@ class ActivityTracker:
         experiment_logger: ExperimentLogger | None = None,
     ) -> None:
         self._cond = threading.Condition()
-        self._ledger = ActivityLedger()
-        self._sources: dict[str, Any] = {}
-        self._source_timeout_s = 30.0
+        self._inflight: dict[str, tuple[str, str, float]] = {}  # token -> (module, work, t0)
+        self._ids = itertools.count()
         self._module_refs: dict[str, Any] = {}
         self._rollout_workers: set[str] = set()
         self._dead_modules: list[str] = []
@@ -91,58 +86,43 @@ class ActivityTracker:
 
     # ---- activity -------------------------------------------------------
     def start(self, module: str, work: str) -> str:
-        return self._ledger.start(module, work)
+        token = f"{module}:{next(self._ids)}"
+        with self._cond:
+            self._inflight[token] = (module, work, time.monotonic())
+        return token
 
     def end(self, token: str) -> None:
-        self._ledger.end(token)
-
-    def add_source(self, name: str, source: Any) -> None:
-        """Also count the work in `source.activity_snapshot()` (a module actor's ledger,
-        nexrl/monitoring/ledger.py) as in flight."""
         with self._cond:
-            self._sources[name] = source
-
-    def in_flight(self) -> list[WorkItem]:
-        """Work in flight here and in every source, oldest first. A source that cannot be
-        reached (its process died) holds no work: it died with the process."""
-        items = self._ledger.items()
-        with self._cond:
-            sources = dict(self._sources)
-        for name, source in sources.items():
-            try:
-                items += execute(source.activity_snapshot, timeout=self._source_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - a dead actor's work is gone
-                logger.warning("activity of %s unreadable, counted as none: %r", name, exc)
-        return sorted(items, key=lambda item: -item.age_s)
+            if self._inflight.pop(token, None) is None:
+                raise ValueError(f"ActivityTracker.end: unknown or already ended token {token!r}")
+            self._cond.notify_all()
 
     def is_quiescent(self) -> bool:
-        return not self.in_flight()
+        with self._cond:
+            return not self._inflight
 
     def wait_quiescent(self, timeout: float | None = None) -> bool:
         """Block until no work is in flight; False if `timeout` seconds pass first."""
         with self._cond:
-            polled = bool(self._sources)
-        if not polled:
-            return self._ledger.wait_empty(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.is_quiescent():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            time.sleep(0.02 if left is None else min(0.02, left))
-        return True
+            return self._cond.wait_for(lambda: not self._inflight, timeout=timeout)
 
     def forget_module(self, module: str) -> int:
-        """Drop `module`'s in-flight work (its process died and restarted); returns the count.
-        Work bracketed in the dead actor's own ledger went with its process."""
-        return self._ledger.forget(module)
+        """Drop `module`'s in-flight work (its process died and restarted); returns the count."""
+        with self._cond:
+            gone = [t for t, (m, _, _) in self._inflight.items() if m == module]
+            for token in gone:
+                del self._inflight[token]
+            self._cond.notify_all()
+        return len(gone)
 
     def get_running_status_summary(self) -> str:
-        items = self.in_flight()
+        now = time.monotonic()
+        with self._cond:
+            items = sorted(self._inflight.values(), key=lambda x: x[2])
         if not items:
             return "quiescent: no work in flight"
         lines = [f"{len(items)} work item(s) in flight:"]
-        lines += [f"  {i.module}: {i.work} ({i.age_s:.1f}s)" for i in items]
+        lines += [f"  {m}: {w} ({now - t0:.1f}s)" for m, w, t0 in items]
         return "\n".join(lines)
 
     # ---- modules --------------------------------------------------------
@@ -153,9 +133,8 @@ class ActivityTracker:
                 self._rollout_workers.add(module_name)
 
     def is_rollout_worker_quiescent(self) -> bool:
-        items = self.in_flight()
         with self._cond:
-            return not any(item.module in self._rollout_workers for item in items)
+            return not any(m in self._rollout_workers for m, _, _ in self._inflight.values())
 
     def check_module_liveness(self, timeout: float = 5.0) -> bool:
         """Call every registered module's `health_check`; raising or False = dead."""
@@ -247,11 +226,7 @@ class ActivityTrackerProxy:
     @contextmanager
     def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
         """Mark `work` in flight; an exception is reported (if asked) and re-raised."""
-        ledger = served_ledger()  # this actor's own ledger (Ray mode), else the tracker's
-        if ledger is not None:
-            token = ledger.start(module, work)
-        else:
-            token = execute(self._central.start, module, work)
+        token = execute(self._central.start, module, work)
         try:
             yield
         except Exception as exc:
@@ -259,10 +234,9 @@ class ActivityTrackerProxy:
                 execute(self._central.report_exception, module, work, exc)
             raise
         finally:
-            if ledger is not None:
-                ledger.end(token)
-            else:  # not waited for: a late `end` only makes the run look busy a moment
-                execute_async(self._central.end, token)  # longer; `start` must land first
+            # not waited for: a late `end` only makes the run look busy a moment longer,
+            # while `start` must land before the work does (quiescence, see the top)
+            execute_async(self._central.end, token)
 
     def is_quiescent(self) -> bool:
         return execute(self._central.is_quiescent)

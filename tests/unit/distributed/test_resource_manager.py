@@ -12,7 +12,7 @@ from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager
 from nexrl.distributed.settings import RaySettings, actor_env
 from nexrl.execute import ModuleDiedError, execute
 from nexrl.module import NexRLModule
-from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+from nexrl.monitoring import ActivityTracker
 from nexrl.types import NexRLRole
 
 pytestmark = pytest.mark.ray
@@ -39,10 +39,6 @@ class Counter(NexRLModule):
 
     def call_peer_add(self, peer, n: int) -> int:
         return execute(peer.add, n)
-
-    def tracked_sleep(self, seconds: float) -> None:
-        with self._activity_tracker.track("validator", "tracked sleep"):
-            time.sleep(seconds)
 
     def __len__(self) -> int:
         return self.value
@@ -146,30 +142,6 @@ def test_a_restarted_actor_replays_its_setup_and_drops_lost_work(ray_local):
     manager.unfence(["data"])
     assert execute(module.pid) != old_pid
     assert execute(module.__len__) == 10  # rebuilt from the config
-    assert execute(tracker.is_quiescent)
-    manager.kill_all()
-    ray.kill(tracker)
-
-
-def test_work_in_a_module_actor_is_bracketed_in_that_actors_ledger(ray_local):
-    import ray
-
-    tracker = ray.remote(ActivityTracker).options(num_cpus=0, max_concurrency=8).remote()
-    manager = make_manager({"validator": "data"}, tracker=tracker)
-    (module,) = manager.get_actor_wrapper("validator")
-    execute(module.set_activity_tracker, ActivityTrackerProxy(tracker))
-    execute(tracker.register_module, "validator", module, True)  # counted as a rollout worker
-    busy = module.tracked_sleep.remote(2.0)
-    deadline = time.monotonic() + 30
-    while execute(tracker.is_quiescent) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert "validator: tracked sleep" in execute(tracker.get_running_status_summary)
-    assert not execute(tracker.is_rollout_worker_quiescent)
-    # held by the actor, not by the tracker: nothing of it in the tracker's own ledger
-    assert execute(tracker.forget_module, "validator") == 0
-    assert not execute(tracker.is_quiescent)
-    assert execute(tracker.wait_quiescent, 30.0)
-    ray.get(busy)
     assert execute(tracker.is_quiescent)
     manager.kill_all()
     ray.kill(tracker)

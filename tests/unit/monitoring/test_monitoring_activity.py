@@ -9,7 +9,6 @@ import pytest
 
 from nexrl.module import NexRLModule
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
-from nexrl.monitoring.ledger import ActivityLedger
 
 
 class Healthy(NexRLModule):
@@ -122,54 +121,3 @@ def test_experiment_logger_post_defaults_step_to_training_step(tmp_path) -> None
         (3, 0.5, None),
         (4, None, 0.75),
     ]
-
-
-class LedgerSource:
-    """What the tracker reads from a module actor: `activity_snapshot()`."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.ledger = ActivityLedger()
-        self.fail = fail
-
-    def activity_snapshot(self) -> list:
-        if self.fail:
-            raise ConnectionError("actor died")
-        return self.ledger.items()
-
-
-def test_work_in_a_source_ledger_counts_as_in_flight() -> None:
-    tracker = ActivityTracker({})
-    source = LedgerSource()
-    tracker.add_source("rollout", source)
-    tracker.register_module("rollout_worker_0", Healthy(), is_rollout_worker=True)
-    token = source.ledger.start("rollout_worker_0", "rollout")
-    assert not tracker.is_quiescent() and not tracker.is_rollout_worker_quiescent()
-    assert "rollout_worker_0: rollout" in tracker.get_running_status_summary()
-    assert tracker.wait_quiescent(timeout=0.05) is False
-    threading.Timer(0.1, source.ledger.end, args=(token,)).start()
-    assert tracker.wait_quiescent(timeout=10.0) is True
-    assert tracker.is_rollout_worker_quiescent()
-
-
-def test_an_unreadable_source_holds_no_work() -> None:
-    tracker = ActivityTracker({})
-    tracker.add_source("dead", LedgerSource(fail=True))
-    assert tracker.is_quiescent() and tracker.wait_quiescent(timeout=1.0)
-
-
-def test_the_proxy_brackets_in_a_served_process_ledger(monkeypatch) -> None:
-    import nexrl.monitoring.ledger as ledger_module
-
-    tracker = ActivityTracker({})
-    proxy = ActivityTrackerProxy(tracker)
-    local = ActivityLedger()
-    monkeypatch.setattr(ledger_module, "_PROCESS_LEDGER", local)
-    monkeypatch.setattr(ledger_module, "_SERVED", True)
-    with proxy.track("rollout_worker_0", "rollout"):
-        assert [(i.module, i.work) for i in local.items()] == [("rollout_worker_0", "rollout")]
-        assert tracker.is_quiescent()  # not in the tracker's ledger: no call was made
-    assert local.is_empty()
-    with pytest.raises(ValueError, match="boom"), proxy.track("m", "w"):
-        raise ValueError("boom")
-    assert local.is_empty()
-    assert tracker.get_error_health_status()["recent_error_count"] == 1  # still reported
