@@ -26,7 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 
 from nexrl.config.schema import InferenceServiceConfig
 from nexrl.execute import execute
-from nexrl.inference.factory import LOCAL_BACKENDS, build_local_engine
+from nexrl.inference.factory import LOCAL_BACKENDS, build_local_engine, check_engine_options
 from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
@@ -148,6 +148,7 @@ class LLMServiceClient:
         self._engine: InferenceEngine | None = None
         self._remote = None
         if self.backend in LOCAL_BACKENDS:
+            check_engine_options(section.engine)
             self._engine = engine or get_local_engine(self.config)
         else:
             from nexrl.inference.remote import RemoteBackend

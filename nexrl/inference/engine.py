@@ -80,6 +80,8 @@ class Engine:
         emulated_step_latency_s: float = 0.0,
         matmul: str = "auto",
         native_attention: bool = True,
+        gather_quiet_s: float = 0.002,
+        gather_max_s: float = 0.02,
     ) -> None:
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
@@ -100,6 +102,11 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.emulated_step_latency_s = float(emulated_step_latency_s)
+        if gather_quiet_s < 0 or gather_max_s < 0:
+            raise ValueError(
+                f"gather_quiet_s={gather_quiet_s} and gather_max_s={gather_max_s} must be >= 0"
+            )
+        self.gather_quiet_s, self.gather_max_s = float(gather_quiet_s), float(gather_max_s)
         self.runner = ModelRunner(
             model, max_batch_size, self.max_model_len, matmul, native_attention
         )
@@ -218,12 +225,34 @@ class Engine:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+                if not commands and not len(self.batch) and not self._paused:
+                    self._gather()
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
             for fn, future in commands:
                 _run_into(fn, future)
             if not self._paused:
                 self._guarded_step()
+
+    def _gather(self) -> None:
+        """Idle, with requests arriving: let the burst land before the first step (called
+        holding `_cv`). Clients that submit together (a step's rollout workers) then share
+        one prefill and one decode wave instead of trickling into the batch one per step
+        while their submitting threads and the engine contend for the interpreter. Waits
+        while each new request comes within `gather_quiet_s` of the last, at most
+        `gather_max_s`, and never once the arrivals fill the free slots or a command or
+        shutdown is queued."""
+        if self.gather_quiet_s <= 0 or self.gather_max_s <= 0:
+            return
+        deadline = time.monotonic() + self.gather_max_s
+        while not self._commands and not self._stopping:
+            queued = [*self._waiting, *self._inbox]
+            left = deadline - time.monotonic()
+            if left <= 0 or sum(p.request.sampling.n for p in queued) >= self.batch.free:
+                return
+            self._cv.wait(min(self.gather_quiet_s, left))
+            if len(self._inbox) + len(self._waiting) == len(queued):
+                return  # quiet: nothing new within the window
 
     def _guarded_step(self) -> None:
         try:

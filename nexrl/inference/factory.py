@@ -21,7 +21,23 @@ ENGINE_OPTIONS = (
     "seed",
     "emulated_step_latency_s",
     "kv_cache_gib",
+    "max_prefill_tokens",
+    "matmul",
+    "native_attention",
+    "gather_quiet_s",
+    "gather_max_s",
 )
+
+ROUTING_OPTIONS = ("replica_actors",)  # Ray mode: the engine lives in named replica actors
+
+
+def check_engine_options(options: Mapping[str, Any]) -> None:
+    """ValueError naming any `service.inference_service.engine` key no engine reads."""
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS) - set(ROUTING_OPTIONS))
+    if unknown:
+        keys = ", ".join(f"service.inference_service.engine.{k}" for k in unknown)
+        raise ValueError(f"{keys}: unknown engine option; valid: {', '.join(ENGINE_OPTIONS)}")
+
 
 HF_OPTIONS = ("dtype", "device", "max_model_len")  # HFEngine preallocates no KV cache
 

@@ -185,8 +185,10 @@ class RunningBatch:
         """The finished samples of `rows`, read from the batch tensors in one gather each."""
         index = torch.tensor(rows, device=self.n_gen.device)
         lengths = self.n_gen[index].tolist()
-        tokens, lps = self.out_tok[index].tolist(), self.out_lp[index].tolist()
-        versions, aborted = self.out_ver[index].tolist(), self.abort[index].tolist()
+        width = max(lengths, default=0)  # only the written columns: rows span max_model_len
+        tokens = self.out_tok[index, :width].tolist()
+        lps, versions = self.out_lp[index, :width].tolist(), self.out_ver[index, :width].tolist()
+        aborted = self.abort[index].tolist()
         ids = [tokens[k][:n] for k, n in enumerate(lengths)]
         texts = decode_all(tokenizer, ids)
         taken = []

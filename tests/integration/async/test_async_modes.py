@@ -79,6 +79,8 @@ def test_inflight_updates_reach_running_requests_without_aborts(async_config):
         "rollout_worker.max_tokens=16",
         "+service.inference_service.engine.emulated_step_latency_s=0.01",
         "service.inference_service.engine.max_batch_size=32",
+        "+service.inference_service.engine.gather_quiet_s=0.001",
+        "+service.inference_service.engine.gather_max_s=0.005",
     ]
     controller = NexRLController(async_config(*extra))
     controller.run()
