@@ -123,7 +123,29 @@ def build_train_worker(cfg: DictConfig, client: Any = None) -> Any:
         LossSpec.from_config(section(cfg.algorithm), cfg.weight.sync_mode),
         checkpoint_path=cfg.train_worker.checkpoint_path,
         sync_weight_path=cfg.train_worker.sync_weight_path,
+        weights_in_memory=engine_shares_process(cfg),
     )
+
+
+def engine_shares_process(cfg: DictConfig) -> bool:
+    """Whether pushed weights go to the engine in memory (`weight.transport`): the
+    trainer and the engine must share the process (local mode, in-process train and
+    inference backends)."""
+    from nexrl.inference.factory import LOCAL_BACKENDS
+
+    transport = cfg.weight.get("transport", "auto")
+    shared = (
+        cfg.launch_mode == "local"
+        and cfg.service.inference_service.backend in LOCAL_BACKENDS
+        and cfg.service.train_service.backend == "builtin"
+    )
+    if transport == "memory" and not shared:
+        raise ValueError(
+            "weight.transport=memory needs the trainer and the engine in one process: "
+            "launch_mode local, service.train_service.backend builtin and "
+            f"service.inference_service.backend one of {LOCAL_BACKENDS}; use file or auto"
+        )
+    return transport != "file" and shared
 
 
 def groups_per_batch(cfg: DictConfig) -> int:

@@ -83,3 +83,10 @@ def test_rewards_smoke_mode_runs(tmp_path: Path) -> None:
 def test_ray_smoke_mode_runs() -> None:
     out = run_smoke("bench_ray.py")
     assert SMOKE_LINES["bench_ray.py"] in out
+
+
+@pytest.mark.slow
+def test_e2e_smoke_mode_with_several_seeds(tmp_path: Path) -> None:
+    out = run_smoke("bench_e2e.py", "--seeds", "2", "--out", str(tmp_path))
+    assert "'s_to_target_runs': [" in out  # the medians name each run's time to target
+    assert SMOKE_LINES["bench_e2e.py"] in out

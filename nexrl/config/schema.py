@@ -195,6 +195,11 @@ class WeightConfig:
     tail_batch_trigger_size: int = 0
     """Candidates that trigger a tail batch (served together, before new data, never
     aborted again); 0: one batch worth of groups."""
+    transport: str = "auto"
+    """How pushed weights reach the engine: `file` (safetensors in
+    `train_worker.sync_weight_path`), `memory` (a copy handed over inside the process:
+    local mode with in-process train and inference backends only), `auto` (memory
+    where possible, else file)."""
 
 
 @dataclass
@@ -406,6 +411,7 @@ class RLTrainConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "launch_mode": ("local", "ray"),
     "weight.sync_mode": ("sync", "batch-async", "fully-async"),
+    "weight.transport": ("auto", "file", "memory"),
     "resume.mode": ("disable", "auto", "from_path"),
     "runtime_monitor.exception_handling.policy": ("stop_on_error", "stop_on_critical", "continue"),
     "trajectory_pool.check_batch_ready_function": ("batch_size", "loaded_batch_finished"),

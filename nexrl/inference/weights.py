@@ -5,10 +5,16 @@ copy new weights into its parameters in place (`load_state_dict`), so any view
 an engine holds on those parameters stays valid. Weights come from a state
 dict in memory or from a directory of `*.safetensors` files (an HF
 checkpoint); nothing is unpickled.
+
+In-process hand-off: when the trainer and the engine share a process (local
+mode, in-process backends) the trainer `publish_in_memory`s each export under the
+sync folder's path instead of writing files, and an update naming that path takes
+the published state dict (docs/weight_sync.md).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,8 @@ import torch
 
 from nexrl.inference.protocol import WeightUpdateMeta
 
+_PUBLISHED: dict[str, dict[str, torch.Tensor]] = {}
+_PUBLISHED_LOCK = threading.Lock()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,11 +66,32 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _key(path: str | Path) -> str:
+    return str(Path(path).resolve())
+
+
+def publish_in_memory(path: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """Make `state` what an update from `path` loads in this process (it replaces the
+    previous one; its tensors must not be changed afterwards: publish copies)."""
+    with _PUBLISHED_LOCK:
+        _PUBLISHED[_key(path)] = state
+
+
+def forget_in_memory(path: str | Path) -> None:
+    """Drop what was published under `path` (the run ended)."""
+    with _PUBLISHED_LOCK:
+        _PUBLISHED.pop(_key(path), None)
+
+
 def state_dict_from_meta(meta: WeightUpdateMeta) -> dict[str, Any]:
+    """The update's weights: its state dict, what this process published under its
+    path, or the safetensors files at its path."""
     if meta.state_dict is not None:
         return meta.state_dict
     if meta.path is not None:
-        return read_safetensors_dir(meta.path)
+        with _PUBLISHED_LOCK:
+            published = _PUBLISHED.get(_key(meta.path))
+        return published if published is not None else read_safetensors_dir(meta.path)
     raise ValueError("WeightUpdateMeta needs `path` or `state_dict`, both are None")
 
 

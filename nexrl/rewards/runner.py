@@ -358,30 +358,35 @@ class RewardRunner:
             return
         done = 0
         while done < len(calls):
-            futures = [concurrent.futures.Future() for _ in calls[done:]]
-            self._threads.submit(self._run_in_order, calls[done:], futures)
+            job = _InOrderJob()
+            self._threads.submit(self._run_in_order, calls[done:], job)
             try:
-                for fut in futures:
-                    outcome = self._outcome_of(fut, self.timeout_s)
-                    hung, done = not fut.done(), done + 1
-                    yield self._record(outcome)
-                    if hung:
-                        break  # the rest go to a new job
+                for i in range(len(calls) - done):
+                    result = job.wait(i, self.timeout_s)
+                    done += 1
+                    if result is None:  # hung: the rest go to a new job
+                        yield self._record(self._failure(TimeoutError()))
+                        break
+                    yield self._record(self._outcome_from(result))
             finally:
-                for fut in futures:
-                    fut.cancel()  # the job skips these if it ever gets there
+                job.abandoned = True  # the job skips what it has not started
 
-    def _run_in_order(
-        self, calls: list[tuple[Any, ...]], futures: list[concurrent.futures.Future]
-    ) -> None:
-        """Pool-thread job: each call in turn, its result set as soon as it is known."""
-        for args, fut in zip(calls, futures, strict=True):
-            if not fut.set_running_or_notify_cancel():
-                continue  # the caller moved on after an earlier item hung
+    def _run_in_order(self, calls: list[tuple[Any, ...]], job: _InOrderJob) -> None:
+        """Pool-thread job: each call in turn, its result posted as soon as it is known."""
+        for args in calls:
+            if job.abandoned:
+                return  # the caller moved on after an earlier item hung
             try:
-                fut.set_result(self._call_inline(*args))
+                job.post(True, self._call_inline(*args))
             except BaseException as exc:  # noqa: BLE001 - classified by the caller
-                fut.set_exception(exc)
+                job.post(False, exc)
+
+    def _outcome_from(self, result: tuple[bool, Any]) -> RewardOutcome:
+        ok, value = result
+        if not ok:
+            return self._failure(value)
+        reward, scores = value
+        return RewardOutcome(reward, scores)
 
     async def _agather(
         self, calls: list[tuple[Any, ...]], futures: list[concurrent.futures.Future]
@@ -426,6 +431,29 @@ class RewardRunner:
             if outcome.error is not None:
                 self.stats[outcome.error] += 1
         return outcome
+
+
+class _InOrderJob:
+    """The results of one pool-thread job, in call order: one condition for the whole
+    group, where a future per call cost a lock and a condition each (256 per train
+    step of the default run, in the rollout threads that the engine waits on)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._results: list[tuple[bool, Any]] = []
+        self.abandoned = False
+
+    def post(self, ok: bool, value: Any) -> None:
+        with self._cond:
+            self._results.append((ok, value))
+            self._cond.notify()
+
+    def wait(self, index: int, timeout: float) -> tuple[bool, Any] | None:
+        """Result `index` (ok, value), or None if it is not there within `timeout` s."""
+        with self._cond:
+            if self._cond.wait_for(lambda: len(self._results) > index, timeout):
+                return self._results[index]
+        return None
 
 
 def _exception(exc: BaseException) -> RewardOutcome:

@@ -23,6 +23,7 @@ from typing import Any
 
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute
+from nexrl.inference.weights import forget_in_memory, publish_in_memory
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.loggers import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
@@ -113,6 +114,7 @@ class TrainWorker(LoopModule):
         loss: LossSpec,
         checkpoint_path: str,
         sync_weight_path: str,
+        weights_in_memory: bool = False,
     ) -> None:
         super().__init__()
         self._config = config
@@ -126,6 +128,7 @@ class TrainWorker(LoopModule):
         self._remove_previous = config.remove_previous_ckpt
         self._checkpoint_path = Path(checkpoint_path)
         self._sync_weight_path = sync_weight_path
+        self._weights_in_memory = weights_in_memory
         self._model_tag = DEFAULT_MODEL_TAG
         self._step = 0
         self._last_step_end: float | None = None
@@ -269,9 +272,18 @@ class TrainWorker(LoopModule):
         """(B, T) reference-model logprobs, or None without a reference model."""
         return self._client.compute_ref_logprobs(batch)
 
+    def stop(self) -> None:
+        super().stop()
+        if self._weights_in_memory:  # the run is over: release the last copy
+            forget_in_memory(self._sync_weight_path)
+
     def export_sync_weights(self) -> str:
-        """Write the current weights to the weight-sync buffer folder."""
-        return self._client.export_weights(self._sync_weight_path)
+        """Write the current weights to the weight-sync buffer folder, or, when the engine
+        shares this process (`weights_in_memory`), publish a copy under its path."""
+        if not self._weights_in_memory:
+            return self._client.export_weights(self._sync_weight_path)
+        publish_in_memory(self._sync_weight_path, self._client.export_weights(None))
+        return self._sync_weight_path
 
     # -- checkpoints ---------------------------------------------------------------
     def save_checkpoint(self, step: int | None = None) -> str:

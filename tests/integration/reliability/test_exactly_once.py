@@ -55,6 +55,7 @@ def _start(out: Path, log: Path) -> subprocess.Popen:
         "weight.sync_mode=fully-async",
         "weight.staleness_threshold=2",
         "weight.tail_batch_candidate_steps=1",
+        "weight.transport=file",  # the push kills wait for the export's staging folder
         "weight.validate_freq=0",
         "validate.validate_before_train=false",
     ]

@@ -1,0 +1,49 @@
+"""`weight.transport`: pushed weights reach the engine in memory or as files, and the
+engine serves exactly the trainer's weights either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nexrl.config import ConfigError, load_config
+from nexrl.controller import NexRLController
+
+
+def _check_engine_serves_trained_weights(controller: NexRLController) -> None:
+    trained = controller.system.train_workers[0]._client._engine.model.state_dict()
+    engine = controller.system.weight_sync_controller._llm_client._engine
+    served = engine.model.state_dict()
+    assert engine.version == 4  # every step pushed
+    for name, tensor in trained.items():
+        assert torch.equal(served[name], tensor), name
+
+
+@pytest.mark.parametrize("transport", ["auto", "memory", "file"])
+@pytest.mark.parametrize("mode", ["sync", "fully-async"])
+def test_pushed_weights_are_the_trained_ones(async_config, transport, mode):
+    overrides = [f"weight.transport={transport}", f"weight.sync_mode={mode}"]
+    if mode != "sync":
+        overrides.append("weight.staleness_threshold=1")
+    controller = NexRLController(async_config(*overrides))
+    controller.run()
+    _check_engine_serves_trained_weights(controller)
+    folder = Path(controller.system.train_workers[0]._sync_weight_path)
+    written = sorted(folder.glob("*.safetensors")) if folder.exists() else []
+    assert bool(written) == (transport == "file")  # in one process: no files
+
+
+def test_memory_transport_across_processes_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="weight.transport=memory"):
+        load_config([f"output_dir={tmp_path}", "launch_mode=ray", "weight.transport=memory"])
+    with pytest.raises(ConfigError, match="weight.transport=memory"):
+        load_config(
+            [
+                f"output_dir={tmp_path}",
+                "weight.transport=memory",
+                "service.inference_service.backend=remote",
+                "service.inference_service.url=http://127.0.0.1:1",
+            ]
+        )
