@@ -434,9 +434,9 @@ class RewardRunner:
 
 
 class _InOrderJob:
-    """The results of one pool-thread job, in call order: one condition for the whole
-    group, where a future per call cost a lock and a condition each (256 per train
-    step of the default run, in the rollout threads that the engine waits on)."""
+    """The results of one pool-thread job, in call order, behind one condition for the
+    whole group (a future per call made a lock and a condition each: 256 per train
+    step of the default run)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
