@@ -25,6 +25,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""CPU flags that decide which matmul kernels oneDNN / MKL can use (bf16 needs the last two)."""
+
+
+def cpu_flags() -> list[str]:
+    """The `MATMUL_FLAGS` this CPU has (from /proc/cpuinfo; empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    have = set(line.split(":", 1)[-1].split())
+    return [flag for flag in MATMUL_FLAGS if flag in have]
+
+
 def gpu_name() -> str | None:
     import torch
 
@@ -32,7 +47,7 @@ def gpu_name() -> str | None:
 
 
 def machine() -> dict[str, object]:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu_name()}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags(), "gpu": gpu_name()}
 
 
 def command() -> str:
@@ -43,4 +58,5 @@ def describe() -> str:
     """Markdown lines: machine and the command that produced the figures."""
     m = machine()
     gpu = f", GPU: {m['gpu']}" if m["gpu"] else ""
-    return f"Machine: {m['cpu']}, {m['cores']} cores{gpu}\n\nCommand: `{command()}`\n"
+    flags = f" ({' '.join(m['flags'])})" if m["flags"] else ""
+    return f"Machine: {m['cpu']}{flags}, {m['cores']} cores{gpu}\n\nCommand: `{command()}`\n"

@@ -14,6 +14,11 @@ vs the same 64 requests in-process. Ratios compare numbers measured in the same 
     python benchmarks/bench_generation.py [--quick] [--threads 1] [--out benchmarks/results]
     python benchmarks/bench_generation.py --smoke   # seconds: tiny model, c=1 and 4, no files
     python benchmarks/bench_generation.py --smollm2 --threads 2   # the real 135M chat model
+    python benchmarks/bench_generation.py --smollm2 --threads 2 --dtype bfloat16   # both in bf16
+
+With `--dtype bfloat16` both sides run in bf16 (fast only where the CPU multiplies bf16
+natively: avx512_bf16 / AMX, named on the results' machine line), and HF generate in
+fp32 is measured beside them, the baseline a user of an fp32 trainer starts from.
 
 The last line is `speedup_vs_hf_at_64: X` (default tiny model, concurrency 64).
 """
@@ -95,25 +100,39 @@ def compare(
     rows: list[dict],
     repeats: int,
     waves: int | None = None,
+    dtype: str = "float32",
 ) -> None:
+    """Rows of HF generate vs the engine, both in `dtype`; for a dtype other than fp32 the
+    row also holds `hf_fp32` (HF generate in fp32) and `speedup_vs_hf_fp32`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    engine = Engine(path, max_batch_size=max(concurrencies), max_model_len=64 + max_tokens)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    fp32 = None
+    if dtype != "float32":
+        fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = Engine(
+        path, max_batch_size=max(concurrencies), max_model_len=64 + max_tokens, dtype=dtype
+    )
     try:
         engine_tokens_per_s(engine, prompts(tok, 4, 99), 4, 1)  # warm-up
         for c in concurrencies:
             batch = prompts(tok, c, seed=c)
             n = waves or (3 if c <= 64 else 1)  # >= ~0.25 s per engine measurement
-            hf = ours = 0.0
+            hf = ours = hf32 = 0.0
             for _ in range(repeats):  # interleaved, best of `repeats`: the CPU is shared
                 hf = max(hf, hf_tokens_per_s(model, tok, batch, max_tokens, n))
                 ours = max(ours, engine_tokens_per_s(engine, batch, max_tokens, n))
-            rows.append(dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf))
+                if fp32 is not None:
+                    hf32 = max(hf32, hf_tokens_per_s(fp32, tok, batch, max_tokens, n))
+            row = dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf)
+            if fp32 is not None:
+                row.update(hf_fp32=hf32, speedup_vs_hf_fp32=ours / hf32)
+            rows.append(row)
+            extra = f"   hf fp32 {hf32:7.0f} tok/s   x{ours / hf32:5.2f}" if fp32 else ""
             print(
                 f"{label:>10} c={c:<4} hf {hf:9.0f} tok/s   engine {ours:9.0f} tok/s   "
-                f"x{ours / hf:5.2f}",
+                f"x{ours / hf:5.2f}{extra}",
                 flush=True,
             )
     finally:
@@ -245,10 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no results files (seconds)")
     ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct, c=16 and 64")
     ap.add_argument("--model-path", default="smollm2", help="with --smollm2: model dir or id")
+    ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="with --smollm2"
+    )
     args = ap.parse_args(argv)
     if args.smollm2:
         model = resolve_model(args.model_path)
-        return smollm2(model, args.threads, Path(args.out), args.repeats or 1, args.smoke)
+        repeats = args.repeats or 1
+        return smollm2(model, args.threads, Path(args.out), repeats, args.smoke, args.dtype)
     if args.smoke:
         return smoke(args.threads)
     torch.set_num_threads(args.threads)
@@ -289,19 +312,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def smollm2(model: Path, threads: int, out: Path, repeats: int, smoke: bool = False) -> int:
+def smollm2(
+    model: Path, threads: int, out: Path, repeats: int, smoke: bool = False, dtype="float32"
+) -> int:
     """Engine vs HF generate on the real 135M chat model (one wave of 32 tokens per cell:
     HF needs about half a minute per wave at c=64 on 2 cores); smoke: c=2, 4 tokens."""
     torch.set_num_threads(threads)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     rows: list[dict] = []
     if smoke:
-        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1)
+        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1, dtype=dtype)
         print(f"smoke: smollm2_speedup_vs_hf_at_2: {rows[-1]['speedup']:.2f}")
         return 0
-    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, waves=1)
+    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, waves=1, dtype=dtype)
+    short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    fp32_cols = dtype != "float32"
+    head = "| concurrency | HF generate tok/s | engine tok/s | speedup |"
+    rule = "|---|---|---|---|"
+    if fp32_cols:
+        head += " HF generate fp32 tok/s | engine vs HF fp32 |"
+        rule += "---|---|"
+
+    def cells(r: dict) -> str:
+        line = f"| {r['concurrency']} | {r['hf']:.0f} | {r['engine']:.0f} | {r['speedup']:.2f} |"
+        if fp32_cols:
+            line += f" {r['hf_fp32']:.0f} | {r['speedup_vs_hf_fp32']:.2f} |"
+        return line
+
     lines = [
-        "# Generation: SmolLM2-135M-Instruct (fp32), engine vs HF generate",
+        f"# Generation: SmolLM2-135M-Instruct ({short}), engine vs HF generate",
         "",
         f"{describe().splitlines()[0]}  ",
         f"Command: `{command()}`  ",
@@ -311,16 +350,14 @@ def smollm2(model: Path, threads: int, out: Path, repeats: int, smoke: bool = Fa
         + "  ",
         f"torch threads: {threads}, 32 new tokens, one wave, best of {repeats}",
         "",
-        "| concurrency | HF generate tok/s | engine tok/s | speedup |",
-        "|---|---|---|---|",
-        *(
-            f"| {r['concurrency']} | {r['hf']:.0f} | {r['engine']:.0f} | {r['speedup']:.2f} |"
-            for r in rows
-        ),
+        head,
+        rule,
+        *(cells(r) for r in rows),
         "",
     ]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generation_smollm2.md").write_text("\n".join(lines))
+    name = "generation_smollm2.md" if dtype == "float32" else f"generation_smollm2_{short}.md"
+    (out / name).write_text("\n".join(lines))
     print(f"smollm2_speedup_vs_hf_at_64: {rows[-1]['speedup']:.2f}")
     return 0
 

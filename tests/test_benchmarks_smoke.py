@@ -63,10 +63,20 @@ def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_generation_smoke_mode_on_smollm2(smollm2_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generation_smoke_mode_on_smollm2(smollm2_dir, tmp_path: Path, dtype: str) -> None:
     out = run_smoke(
-        "bench_generation.py", "--smollm2", "--model-path", smollm2_dir, "--out", str(tmp_path)
+        "bench_generation.py",
+        "--smollm2",
+        "--model-path",
+        smollm2_dir,
+        "--dtype",
+        dtype,
+        "--out",
+        str(tmp_path),
     )
+    if dtype != "float32":  # HF generate in fp32 measured beside both bf16 sides
+        assert "hf fp32" in out
     assert "smoke: smollm2_speedup_vs_hf_at_2:" in out
     assert not list(tmp_path.iterdir())  # smoke mode writes no results
 

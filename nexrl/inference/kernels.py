@@ -15,7 +15,10 @@ that makes the linears of one step 1.16x faster at 64 rows and 1.4x at 16. Small
 weights (the tiny default model's) stay as they are: their calls are too short to gain.
 
 Both compute in full fp32 (no TF32/bf16 down-conversion): the logprob parity with the
-trainer holds either way (tested).
+trainer holds either way (tested). An engine built with `dtype: bfloat16` packs its large
+weights too where the CPU multiplies bf16 natively (avx512_bf16 / AMX): on a Xeon with
+AMX a bf16 decode linear of SmolLM2 at 64 rows is ~2x faster packed than unpacked, and
+~6x faster than fp32.
 """
 
 from __future__ import annotations
@@ -73,14 +76,24 @@ def linear_for(device: torch.device, dtype: torch.dtype, backend: str = "auto") 
     return linear
 
 
+def bf16_native() -> bool:
+    """True when oneDNN multiplies bf16 natively on this CPU (avx512_bf16 / AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def weight_packer(
     device: torch.device, dtype: torch.dtype, backend: str = "auto"
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """What to apply to each weight for `linear_for(device, dtype, backend)`: large fp32
-    CPU weights become oneDNN-packed copies (only that linear can multiply them; the
-    model's own parameters are untouched), everything else is returned as is."""
+    CPU weights, and large bf16 ones where the CPU multiplies bf16 natively, become
+    oneDNN-packed copies (only that linear can multiply them; the model's own parameters
+    are untouched), everything else is returned as is."""
     on_cpu = torch.device(device).type == "cpu"
-    if backend == "torch" or not on_cpu or dtype != torch.float32 or not onednn_available(dtype):
+    packable = dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_native())
+    if backend == "torch" or not on_cpu or not packable or not onednn_available(dtype):
         return lambda w: w
 
     def pack(w: torch.Tensor) -> torch.Tensor:

@@ -116,3 +116,32 @@ def test_validation_with_several_samples_logs_pass_at_k(small_config):
     assert {"val/pass@1", "val/pass@2"} <= set(metrics)
     assert 0.0 <= metrics["val/pass@1"] <= metrics["val/pass@2"] <= 1.0
     assert metrics["val/num_samples"] == 2 * 8  # validate.data.max_items=8, two samples each
+
+
+def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):
+    """`service.inference_service.engine.*` builds the run's engine: a bf16 engine on the
+    torch matmul and attention paths samples a fp32-trained policy, and its logprobs stay
+    within bf16 rounding of the trainer's (the gap the IS correction is for)."""
+    import torch
+    import torch.nn.functional as F
+
+    from nexrl.inference import client
+
+    controller = NexRLController(
+        small_config(
+            "+service.inference_service.engine.dtype=bfloat16",
+            "+service.inference_service.engine.matmul=torch",
+            "+service.inference_service.engine.native_attention=false",
+            "+service.inference_service.engine.max_prefill_tokens=256",
+        )
+    )
+    (engine,) = client._local_engines.values()
+    runner = engine.runner
+    assert runner.dtype == torch.bfloat16
+    assert runner.native_attention is None and runner.linear is F.linear
+    assert engine.max_prefill_tokens == 256
+    controller.run()
+    lines = read_metrics(controller.run_dir)
+    step2 = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)
+    assert step2["rollout/serving_version"] == 1
+    assert 1e-5 < step2["train/behavior_old_logprob_absdiff"] < 0.05

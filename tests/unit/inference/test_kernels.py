@@ -16,6 +16,7 @@ from nexrl.inference import native
 from nexrl.inference.engine import Engine
 from nexrl.inference.kernels import (
     ONEDNN_MIN_MACS,
+    bf16_native,
     linear_for,
     onednn_available,
     weight_packer,
@@ -122,21 +123,36 @@ def test_fast_paths_keep_trainer_parity(
         engine.shutdown()
 
 
+# bf16 weights are packed only where the CPU multiplies bf16 natively (avx512_bf16 / AMX)
+PACKED_DTYPES = [
+    ("float32", 1e-4),
+    pytest.param(
+        "bfloat16",
+        3e-2,
+        marks=pytest.mark.skipif(not bf16_native(), reason="no native bf16 matmul on this CPU"),
+    ),
+]
+
+
 @needs_onednn
-def test_packed_weights_match_and_follow_weight_updates(tmp_path):
+@pytest.mark.parametrize(("dtype", "tol"), PACKED_DTYPES)
+def test_packed_weights_match_and_follow_weight_updates(tmp_path, dtype, tol):
     """Weights of PACK_MIN_WEIGHT elements or more go to oneDNN pre-packed; the engine's
     logits stay the HF model's, before and after a weight update (refresh repacks)."""
     from nexrl.models.tiny import build_tiny_qwen2
 
-    pack = weight_packer(torch.device("cpu"), torch.float32, "auto")
-    small, large = torch.randn(64, 64), torch.randn(1024, 512)
+    dt = getattr(torch, dtype)
+    pack = weight_packer(torch.device("cpu"), dt, "auto")
+    small, large = torch.randn(64, 64, dtype=dt), torch.randn(1024, 512, dtype=dt)
     assert pack(small) is small and pack(large).is_mkldnn
-    assert weight_packer(torch.device("cpu"), torch.float32, "torch")(large) is large
-    auto, x = linear_for(torch.device("cpu"), torch.float32, "auto"), torch.randn(3, 512)
-    torch.testing.assert_close(auto(x, pack(large), None), F.linear(x, large), atol=1e-4, rtol=1e-5)
+    assert weight_packer(torch.device("cpu"), dt, "torch")(large) is large
+    auto, x = linear_for(torch.device("cpu"), dt, "auto"), torch.randn(3, 512, dtype=dt)
+    torch.testing.assert_close(
+        auto(x, pack(large), None).float(), F.linear(x, large).float(), atol=tol, rtol=tol
+    )
 
     path = build_tiny_qwen2(tmp_path / "wide", hidden_size=512, intermediate_size=1024)
-    engine = Engine(path, max_batch_size=4)
+    engine = Engine(path, max_batch_size=4, dtype=dtype)
     try:
         runner, model = engine.runner, engine.model
         assert runner.layers[0].gate_up_w.is_mkldnn and runner.lm_head is not None
@@ -145,8 +161,8 @@ def test_packed_weights_match_and_follow_weight_updates(tmp_path):
         def check() -> None:
             logits = runner.prefill(ids, torch.tensor([5]), torch.tensor([0]), torch.tensor([0]))
             with torch.inference_mode():
-                ref = model(ids).logits[0, -1]
-            torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=1e-4)
+                ref = model(ids).logits[0, -1].float()
+            torch.testing.assert_close(logits[0], ref, atol=tol, rtol=tol)
 
         check()
         with torch.no_grad():
@@ -154,5 +170,30 @@ def test_packed_weights_match_and_follow_weight_updates(tmp_path):
                 p.mul_(1.5)
         runner.refresh()
         check()
+    finally:
+        engine.shutdown()
+
+
+def test_bf16_engine_decodes_through_sdpa_close_to_the_fp32_trainer(
+    tiny_path, hf_model, trainer_logprobs
+):
+    """A bf16 engine (torch attention path: SDPA over the cache in place) samples with
+    logprobs within bf16 rounding of the fp32 trainer's, over prompts of different
+    lengths decoded together; the mismatch left is what the IS correction is for."""
+    engine = Engine(tiny_path, max_batch_size=16, dtype="bfloat16")
+    try:
+        assert engine.runner.dtype == torch.bfloat16 and engine.runner.native_attention is None
+        prompts = [[5, 6, 7], list(range(10, 31)), [9], list(range(3, 14))]
+        params = [SamplingParams(max_new_tokens=12, n=2, seed=i, ignore_eos=True) for i in range(4)]
+        futures = [
+            engine.submit(GenerationRequest(p, s)) for p, s in zip(prompts, params, strict=True)
+        ]
+        gaps = []
+        for prompt, fut in zip(prompts, futures, strict=True):
+            for out in fut.result(timeout=60).outputs:
+                ref = trainer_logprobs(hf_model, prompt + out.output_ids)[len(prompt) - 1 :]
+                assert len(out.output_ids) == 12
+                gaps += [abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)]
+        assert max(gaps) < 0.03 and sum(gaps) / len(gaps) < 0.01  # measured: 0.003, 0.001
     finally:
         engine.shutdown()
