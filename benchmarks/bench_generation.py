@@ -8,6 +8,10 @@ same c prompts, `waves` times (the engine ignores EOS; HF is credited with every
   the strongest way to use `generate`);
 - engine: the c requests submitted at once; continuous batching does the rest.
 
+Each side is measured alone, on a thread of its own with `--threads` torch threads while
+the main thread stays at one, so that the process holds one OpenMP team at a time (two
+multi-threaded teams slow both sides; docs/inference.md, "Threads").
+
 Then the tiny model through HTTP (`nexrl serve` in a subprocess, 64 concurrent clients)
 vs the same 64 requests in-process. Ratios compare numbers measured in the same run.
 
@@ -34,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -92,6 +97,37 @@ def engine_tokens_per_s(
     return total / (time.perf_counter() - start)
 
 
+def on_thread(threads: int, fn, *args):
+    """`fn(*args)` on a new thread computing with `threads` torch threads. The process
+    holds one OpenMP team at a time this way (this thread stays at one torch thread, and
+    the measuring thread, with its team, is gone on return): libgomp stops spinning once
+    a process holds more OpenMP threads than cores (docs/inference.md, "Threads")."""
+    box: dict = {}
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        box["out"] = fn(*args)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return box["out"]
+
+
+def engine_alone(model, tok, threads: int, size: int, max_len: int, batch, max_tokens, n):
+    """Tokens/s of an engine over `model` that lives for this measurement only (its thread,
+    with `threads` torch threads, is the only OpenMP team while it runs)."""
+    engine = Engine(
+        model_and_tokenizer=(model, tok), max_batch_size=size, max_model_len=max_len,
+        threads=threads,
+    )  # fmt: skip
+    try:
+        engine_tokens_per_s(engine, prompts(tok, 4, 99), 4, 1)  # warm-up
+        return engine_tokens_per_s(engine, batch, max_tokens, n)
+    finally:
+        engine.shutdown()
+
+
 def compare(
     path: Path,
     label: str,
@@ -101,9 +137,11 @@ def compare(
     repeats: int,
     waves: int | None = None,
     dtype: str = "float32",
+    threads: int = 1,
 ) -> None:
-    """Rows of HF generate vs the engine, both in `dtype`; for a dtype other than fp32 the
-    row also holds `hf_fp32` (HF generate in fp32) and `speedup_vs_hf_fp32`."""
+    """Rows of HF generate vs the engine, both in `dtype`, each measured alone with
+    `threads` torch threads; for a dtype other than fp32 the row also holds `hf_fp32`
+    (HF generate in fp32) and `speedup_vs_hf_fp32`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -111,32 +149,27 @@ def compare(
     fp32 = None
     if dtype != "float32":
         fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    engine = Engine(
-        path, max_batch_size=max(concurrencies), max_model_len=64 + max_tokens, dtype=dtype
-    )
-    try:
-        engine_tokens_per_s(engine, prompts(tok, 4, 99), 4, 1)  # warm-up
-        for c in concurrencies:
-            batch = prompts(tok, c, seed=c)
-            n = waves or (3 if c <= 64 else 1)  # >= ~0.25 s per engine measurement
-            hf = ours = hf32 = 0.0
-            for _ in range(repeats):  # interleaved, best of `repeats`: the CPU is shared
-                hf = max(hf, hf_tokens_per_s(model, tok, batch, max_tokens, n))
-                ours = max(ours, engine_tokens_per_s(engine, batch, max_tokens, n))
-                if fp32 is not None:
-                    hf32 = max(hf32, hf_tokens_per_s(fp32, tok, batch, max_tokens, n))
-            row = dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf)
+    size, max_len = max(concurrencies), 64 + max_tokens
+    for c in concurrencies:
+        batch = prompts(tok, c, seed=c)
+        n = waves or (3 if c <= 64 else 1)  # >= ~0.25 s per engine measurement
+        hf = ours = hf32 = 0.0
+        for _ in range(repeats):  # interleaved, best of `repeats`: the CPU is shared
+            hf = max(hf, on_thread(threads, hf_tokens_per_s, model, tok, batch, max_tokens, n))
+            ours = max(ours, engine_alone(model, tok, threads, size, max_len, batch, max_tokens, n))
             if fp32 is not None:
-                row.update(hf_fp32=hf32, speedup_vs_hf_fp32=ours / hf32)
-            rows.append(row)
-            extra = f"   hf fp32 {hf32:7.0f} tok/s   x{ours / hf32:5.2f}" if fp32 else ""
-            print(
-                f"{label:>10} c={c:<4} hf {hf:9.0f} tok/s   engine {ours:9.0f} tok/s   "
-                f"x{ours / hf:5.2f}{extra}",
-                flush=True,
-            )
-    finally:
-        engine.shutdown()
+                args = (fp32, tok, batch, max_tokens, n)
+                hf32 = max(hf32, on_thread(threads, hf_tokens_per_s, *args))
+        row = dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf)
+        if fp32 is not None:
+            row.update(hf_fp32=hf32, speedup_vs_hf_fp32=ours / hf32)
+        rows.append(row)
+        extra = f"   hf fp32 {hf32:7.0f} tok/s   x{ours / hf32:5.2f}" if fp32 else ""
+        print(
+            f"{label:>10} c={c:<4} hf {hf:9.0f} tok/s   engine {ours:9.0f} tok/s   "
+            f"x{ours / hf:5.2f}{extra}",
+            flush=True,
+        )
 
 
 def _free_port() -> int:
@@ -176,7 +209,7 @@ def http_vs_inprocess(
     from transformers import AutoTokenizer
 
     batch = prompts(AutoTokenizer.from_pretrained(str(path)), 64, seed=64)
-    engine = Engine(path, max_batch_size=64, max_model_len=64 + max_tokens)
+    engine = Engine(path, max_batch_size=64, max_model_len=64 + max_tokens, threads=threads)
     engine_tokens_per_s(engine, batch[:4], 4, 1)
     local = max(engine_tokens_per_s(engine, batch, max_tokens, waves) for _ in range(repeats))
     engine.shutdown()
@@ -274,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return smollm2(model, args.threads, Path(args.out), repeats, args.smoke, args.dtype)
     if args.smoke:
         return smoke(args.threads)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # each side computes on its own thread (`on_thread`)
     max_tokens = 64  # --quick trims repeats and the 30M model, not the measured sequence
     repeats = args.repeats or (2 if args.quick else 3)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -288,9 +321,13 @@ def main(argv: list[str] | None = None) -> int:
             num_kv_heads=4,
             intermediate_size=2048,
         )
-        compare(default_model_path(), "tiny-1M", (1, 16, 64, 256), max_tokens, rows, repeats)
+        compare(
+            default_model_path(), "tiny-1M", (1, 16, 64, 256), max_tokens, rows, repeats,
+            threads=args.threads,
+        )  # fmt: skip
         mid_conc = (1, 16, 64) if args.quick else (1, 16, 64, 256)
-        compare(mid, "qwen2-30M", mid_conc, 16 if args.quick else max_tokens, rows, repeats)
+        mid_tokens = 16 if args.quick else max_tokens
+        compare(mid, "qwen2-30M", mid_conc, mid_tokens, rows, repeats, threads=args.threads)
         http = http_vs_inprocess(
             default_model_path(), args.threads, 128, 2 if args.quick else 3, repeats
         )
@@ -317,14 +354,14 @@ def smollm2(
 ) -> int:
     """Engine vs HF generate on the real 135M chat model (one wave of 32 tokens per cell:
     HF needs about half a minute per wave at c=64 on 2 cores); smoke: c=2, 4 tokens."""
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # each side computes on its own thread (`on_thread`)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     rows: list[dict] = []
     if smoke:
-        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1, dtype=dtype)
+        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1, dtype=dtype, threads=threads)
         print(f"smoke: smollm2_speedup_vs_hf_at_2: {rows[-1]['speedup']:.2f}")
         return 0
-    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, waves=1, dtype=dtype)
+    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, 1, dtype, threads)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     fp32_cols = dtype != "float32"
     head = "| concurrency | HF generate tok/s | engine tok/s | speedup |"
@@ -348,7 +385,8 @@ def smollm2(
         f"Load average before / after: {load_before} / "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + "  ",
-        f"torch threads: {threads}, 32 new tokens, one wave, best of {repeats}",
+        f"torch threads: {threads}, each side measured alone on its own thread (one OpenMP "
+        f"team in the process), 32 new tokens, one wave, best of {repeats}",
         "",
         head,
         rule,
@@ -365,7 +403,8 @@ def smollm2(
 def smoke(threads: int) -> int:
     """The same code paths at toy sizes: engine vs HF at c=1 and 4, then HTTP vs in-process."""
     rows: list[dict] = []
-    compare(default_model_path(), "tiny-1M", (1, 4), 8, rows, 1)
+    torch.set_num_threads(1)
+    compare(default_model_path(), "tiny-1M", (1, 4), 8, rows, 1, threads=threads)
     local, remote = http_vs_inprocess(default_model_path(), threads, 8, 1, 1)
     print(f"smoke: speedup_vs_hf_at_4: {rows[-1]['speedup']:.2f}")
     print(f"smoke: http_vs_inprocess: {remote / local:.2f}")

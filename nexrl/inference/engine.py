@@ -82,7 +82,11 @@ class Engine:
         native_attention: bool = True,
         gather_quiet_s: float = 0.002,
         gather_max_s: float = 0.02,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None and int(threads) < 1:
+            raise ValueError(f"engine option threads must be >= 1, got {threads}")
+        self.threads = None if threads is None else int(threads)
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
 
@@ -217,6 +221,13 @@ class Engine:
         )
 
     def _loop(self) -> None:
+        if self.threads is not None:
+            # OpenMP teams are per thread: this sizes the engine's own. libgomp barely spins
+            # once a process holds more OpenMP threads than cores, so a second multi-threaded
+            # thread beside the engine (a trainer, or a main thread that loaded the model on
+            # several threads) makes every parallel region a sleep and wake-up: SmolLM2's
+            # bf16 decode step at 64 rows took 106 instead of 51 ms on 2 threads of 2 cores.
+            torch.set_num_threads(self.threads)
         while True:
             with self._cv:
                 while not self._has_work() and not self._stopping:
@@ -419,6 +430,9 @@ def build_engine(model_path: str | Path | None = None, **options: Any) -> Infere
     model, tok = load_model_and_tokenizer(model_path, dtype, device)
     if is_supported(model):
         return Engine(model_path, model_and_tokenizer=(model, tok), device=device, **options)
+    threads = options.pop("threads", None)
+    if threads is not None:  # HFEngine has no thread of its own to give them to
+        torch.set_num_threads(int(threads))
     from nexrl.inference.hf_engine import HFEngine
 
     if options.get("emulated_step_latency_s"):

@@ -26,6 +26,7 @@ ENGINE_OPTIONS = (
     "native_attention",
     "gather_quiet_s",
     "gather_max_s",
+    "threads",
 )
 
 ROUTING_OPTIONS = ("replica_actors",)  # Ray mode: the engine lives in named replica actors

@@ -444,7 +444,11 @@ def _child_main(conn, model_path: str, options: dict[str, Any]) -> None:
 
     threads = options.pop("threads", None)
     if threads:
-        torch.set_num_threads(int(threads))
+        # the engine computes on its own thread, with `threads`; this thread (loading,
+        # messages) stays single-threaded so that the process holds one OpenMP team
+        # (the engine option `threads`, docs/inference.md)
+        torch.set_num_threads(1)
+        options["threads"] = int(threads)
     try:
         engine = build_engine(model_path, **options)
     except Exception as exc:  # reported to the parent, which raises

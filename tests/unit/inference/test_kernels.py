@@ -197,3 +197,19 @@ def test_bf16_engine_decodes_through_sdpa_close_to_the_fp32_trainer(
         assert max(gaps) < 0.03 and sum(gaps) / len(gaps) < 0.01  # measured: 0.003, 0.001
     finally:
         engine.shutdown()
+
+
+def test_engine_threads_size_the_engine_threads_team_only(tiny_path):
+    """`threads` applies to the engine's own thread; the caller's count is left alone."""
+    before = torch.get_num_threads()
+    engine = Engine(tiny_path, max_batch_size=4, threads=1)
+    try:
+        assert engine._command(torch.get_num_threads) == 1
+        assert torch.get_num_threads() == before
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        out = engine.generate(GenerationRequest([5, 6], params))
+        assert len(out.outputs[0].output_ids) == 3
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        Engine(tiny_path, max_batch_size=4, threads=0)
