@@ -387,7 +387,8 @@ class ModelRunner:
         return q, k, v
 
     def _decode_attention(self, q, kc, vc, bias, b: int, span: int) -> torch.Tensor:
-        """q (B, heads, D) against cache rows [0, B) up to `span`; returns (B*kv, group, D).
+        """q (B, heads, D) against cache rows [0, B) up to `span`; the result reshapes to
+        (B, heads * D): (B*kv, group, D) on the fp32 path, (B, heads, 1, D) on SDPA's.
 
         fp32: the GQA group goes on the query axis and the cache is viewed as (slots*kv,
         len, D), so both matmuls are strided batched GEMMs over the cache without copies.
