@@ -123,29 +123,33 @@ def build_train_worker(cfg: DictConfig, client: Any = None) -> Any:
         LossSpec.from_config(section(cfg.algorithm), cfg.weight.sync_mode),
         checkpoint_path=cfg.train_worker.checkpoint_path,
         sync_weight_path=cfg.train_worker.sync_weight_path,
-        weights_in_memory=engine_shares_process(cfg),
+        weights_in_memory=weights_in_memory(cfg),
     )
 
 
-def engine_shares_process(cfg: DictConfig) -> bool:
-    """Whether pushed weights go to the engine in memory (`weight.transport`): the
-    trainer and the engine must share the process (local mode, in-process train and
-    inference backends)."""
+def weights_in_memory(cfg: DictConfig) -> bool:
+    """Whether pushed weights reach the engine as tensors rather than files
+    (`weight.transport`). The engine must run in the weight-sync controller's process
+    (an in-process inference backend, no inference replicas) and the trainer must be
+    the built-in one: in local mode the state dict is handed over by reference, in Ray
+    mode it travels in the push call (Ray's object store) to the rollout actor."""
     from nexrl.inference.factory import LOCAL_BACKENDS
 
     transport = cfg.weight.get("transport", "auto")
-    shared = (
-        cfg.launch_mode == "local"
-        and cfg.service.inference_service.backend in LOCAL_BACKENDS
+    replicas = OmegaConf.select(cfg, "ray.inference_replicas.bundles_per_node", default=None)
+    possible = (
+        cfg.service.inference_service.backend in LOCAL_BACKENDS
         and cfg.service.train_service.backend == "builtin"
+        and not (cfg.launch_mode == "ray" and replicas)
     )
-    if transport == "memory" and not shared:
+    if transport == "memory" and not possible:
         raise ValueError(
-            "weight.transport=memory needs the trainer and the engine in one process: "
-            "launch_mode local, service.train_service.backend builtin and "
-            f"service.inference_service.backend one of {LOCAL_BACKENDS}; use file or auto"
+            "weight.transport=memory needs the trainer built in "
+            "(service.train_service.backend builtin) and the engine in the weight-sync "
+            f"controller's process (service.inference_service.backend one of {LOCAL_BACKENDS}, "
+            "no ray.inference_replicas); use file or auto"
         )
-    return transport != "file" and shared
+    return transport != "file" and possible
 
 
 def groups_per_batch(cfg: DictConfig) -> int:

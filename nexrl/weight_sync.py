@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from nexrl.config.schema import WeightConfig
 from nexrl.inference.protocol import WeightUpdateMeta
+from nexrl.inference.weights import publish_in_memory, state_from_arrays
 from nexrl.module import NexRLModule
 from nexrl.protocols import DataLoaderLike, TrackerLike
 from nexrl.rollout.admission import BatchPlan, GroupInfo, TaskAdmission
@@ -130,8 +131,14 @@ class WeightSyncController(NexRLModule):
         return self.admission.version(model_tag)
 
     # -- weights (train worker, controller) ----------------------------------------------
-    def train_worker_notify_weight_update(self, worker_name: str, model_tag: ModelTag) -> None:
-        """The trainer wrote new weights to the sync buffer: push them, maybe validate."""
+    def train_worker_notify_weight_update(
+        self, worker_name: str, model_tag: ModelTag, weights: dict[str, Any] | None = None
+    ) -> None:
+        """The trainer exported new weights: push them, maybe validate. `weights`: the
+        weights themselves (`publish_weights`), when they travel with this call
+        (`weight.transport` memory, the trainer in another process)."""
+        if weights is not None:
+            self.publish_weights(weights)
         with self._lock:
             self._trained[model_tag] = self._trained.get(model_tag, 0) + 1
             trained = self._trained[model_tag]
@@ -151,6 +158,11 @@ class WeightSyncController(NexRLModule):
                 self._waiting_for_validation = True
                 if self._sync_mode == "sync":  # the next batch trains on validated weights
                     self.admission.hold(model_tag, "validation", True)
+
+    def publish_weights(self, arrays: dict[str, Any]) -> None:
+        """Make these weights (`state_to_arrays`'s form) what the next push loads: the
+        memory transport from a trainer in another process."""
+        publish_in_memory(self._sync_weight_path, state_from_arrays(arrays))
 
     def resume_from(self, model_tag: ModelTag, step: int) -> None:
         """Resume: `step` batches were trained; push the loaded weights as version `step`."""

@@ -57,10 +57,10 @@ def validate_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
-    from nexrl.builders import engine_shares_process
+    from nexrl.builders import weights_in_memory
 
     try:
-        engine_shares_process(cfg)  # weight.transport=memory where it cannot work
+        weights_in_memory(cfg)  # weight.transport=memory where it cannot work
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.trajectory_pool.batch_size % max(cfg.trajectory_pool.group_size, 1):

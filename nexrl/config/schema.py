@@ -197,9 +197,9 @@ class WeightConfig:
     aborted again); 0: one batch worth of groups."""
     transport: str = "auto"
     """How pushed weights reach the engine: `file` (safetensors in
-    `train_worker.sync_weight_path`), `memory` (a copy handed over inside the process:
-    local mode with in-process train and inference backends only), `auto` (memory
-    where possible, else file)."""
+    `train_worker.sync_weight_path`), `memory` (the state dict itself: by reference in
+    local mode, inside the push call in Ray mode; needs the built-in trainer and an
+    in-process inference backend), `auto` (memory where possible, else file)."""
 
 
 @dataclass

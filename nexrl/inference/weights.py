@@ -15,6 +15,7 @@ the published state dict (docs/weight_sync.md).
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,29 @@ def forget_in_memory(path: str | Path) -> None:
     """Drop what was published under `path` (the run ended)."""
     with _PUBLISHED_LOCK:
         _PUBLISHED.pop(_key(path), None)
+
+
+def state_to_arrays(state: dict[str, torch.Tensor]) -> dict[str, tuple[Any, str]]:
+    """`state` as numpy arrays with their torch dtype names, for a Ray call: Ray moves
+    numpy arrays through its object store without pickling them (3.7 vs 9.5 ms for the
+    default tiny model's 1.8 MB). bf16, which numpy lacks, travels as int16 bits."""
+    out: dict[str, tuple[Any, str]] = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        out[name] = (bits.numpy(), str(tensor.dtype).removeprefix("torch."))
+    return out
+
+
+def state_from_arrays(arrays: dict[str, tuple[Any, str]]) -> dict[str, torch.Tensor]:
+    """The state dict `state_to_arrays` packed (tensors share the arrays' memory)."""
+    state: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # Ray's arrays are read-only; loading copies them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, (array, dtype) in arrays.items():
+            tensor = torch.from_numpy(array)
+            state[name] = tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+    return state
 
 
 def state_dict_from_meta(meta: WeightUpdateMeta) -> dict[str, Any]:

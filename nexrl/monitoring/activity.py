@@ -27,9 +27,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from nexrl.execute import execute, execute_async
+from nexrl.execute import execute, is_remote
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
 from nexrl.monitoring.loggers import ExperimentLogger
+from nexrl.monitoring.outbox import QUEUED, outbox_for
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,16 @@ class ActivityTracker:
             if self._inflight.pop(token, None) is None:
                 raise ValueError(f"ActivityTracker.end: unknown or already ended token {token!r}")
             self._cond.notify_all()
+
+    def apply(self, calls: list[tuple[str, tuple]]) -> None:
+        """Run a batch of queued `end` / `increment` calls (an `Outbox` sends them)."""
+        for method, args in calls:
+            if method not in QUEUED:
+                raise ValueError(f"ActivityTracker.apply: {method!r} cannot be queued")
+            try:
+                getattr(self, method)(*args)
+            except ValueError as exc:  # one bad token must not lose the rest of the batch
+                logger.warning("tracker: queued %s%r failed: %s", method, args, exc)
 
     def is_quiescent(self) -> bool:
         with self._cond:
@@ -218,10 +229,23 @@ class ActivityTracker:
 
 
 class ActivityTrackerProxy:
-    """What a module holds: forwards to the central tracker through `execute`."""
+    """What a module holds: forwards to the central tracker through `execute`.
+
+    With a Ray tracker, `end` and `increment` go through this process's `Outbox`
+    (batched, not waited for); the proxy's reads flush it first."""
 
     def __init__(self, central_tracker: Any) -> None:
         self._central = central_tracker
+
+    def _queue(self, method: str, *args: Any) -> None:
+        if is_remote(self._central.apply):
+            outbox_for(self._central).put(method, *args)
+        else:
+            getattr(self._central, method)(*args)
+
+    def _flush(self) -> None:
+        if is_remote(self._central.apply):
+            outbox_for(self._central).flush()
 
     @contextmanager
     def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
@@ -236,12 +260,14 @@ class ActivityTrackerProxy:
         finally:
             # not waited for: a late `end` only makes the run look busy a moment longer,
             # while `start` must land before the work does (quiescence, see the top)
-            execute_async(self._central.end, token)
+            self._queue("end", token)
 
     def is_quiescent(self) -> bool:
+        self._flush()
         return execute(self._central.is_quiescent)
 
     def is_rollout_worker_quiescent(self) -> bool:
+        self._flush()
         return execute(self._central.is_rollout_worker_quiescent)
 
     def report_exception(self, module: str, work: str, exception: BaseException, severity=None):
@@ -251,11 +277,12 @@ class ActivityTrackerProxy:
         return execute(self._central.report_error, module, work, message, severity, details)
 
     def increment(self, name: str, n: int = 1) -> None:
-        """Not waited for (counted per task in the hot path); `get_counters` may lag a
-        count by the time one call takes."""
-        execute_async(self._central.increment, name, n)
+        """Not waited for (counted per task in the hot path); other processes'
+        `get_counters` may lag a count by one outbox batch."""
+        self._queue("increment", name, n)
 
     def get_counters(self) -> dict[str, int]:
+        self._flush()
         return execute(self._central.get_counters)
 
     def set_training_step(self, step: int) -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
-from nexrl.execute import execute
-from nexrl.inference.weights import forget_in_memory, publish_in_memory
+from nexrl.execute import execute, is_remote
+from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_to_arrays
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.loggers import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
@@ -193,7 +193,7 @@ class TrainWorker(LoopModule):
             with timer.phase("save"):
                 self.save_checkpoint(step)
         with timer.phase("export"):
-            self.export_sync_weights()
+            weights = self._export_for_push()
         serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
         metrics_timing = {**timer.metrics(), **self._last_push}
         self._log(batch, metrics, t0, serving, step, metrics_timing)
@@ -201,11 +201,9 @@ class TrainWorker(LoopModule):
         uids = batch.metadata.get("uids") or []
         self._activity_tracker.increment("tasks_trained", len(set(uids)))  # ledger: groups
         t_push = time.perf_counter()
-        execute(
-            self._weight_sync_controller.train_worker_notify_weight_update,
-            self._module_name,
-            self._model_tag,
-        )
+        notify = self._weight_sync_controller.train_worker_notify_weight_update
+        extra = () if weights is None else (weights,)  # the tensors travel with the call
+        execute(notify, self._module_name, self._model_tag, *extra)
         self._last_push = {"timing/push_s": time.perf_counter() - t_push}
         self._step = step  # visible to the controller only once the new weights are served
 
@@ -274,15 +272,33 @@ class TrainWorker(LoopModule):
 
     def stop(self) -> None:
         super().stop()
-        if self._weights_in_memory:  # the run is over: release the last copy
+        if self._weights_in_memory and not self._engine_elsewhere():  # release the last copy
             forget_in_memory(self._sync_weight_path)
 
+    def _engine_elsewhere(self) -> bool:
+        """The weight-sync controller (and so the engine) runs in another process (Ray)."""
+        wsc = self._weight_sync_controller
+        return wsc is not None and is_remote(wsc.train_worker_notify_weight_update)
+
+    def _export_for_push(self) -> dict[str, Any] | None:
+        """This step's export: the state dict when it travels with the push call (memory
+        transport to another process), else None (exported where the engine reads it)."""
+        if self._weights_in_memory and self._engine_elsewhere():
+            return state_to_arrays(self._client.export_weights(None))
+        self.export_sync_weights()
+        return None
+
     def export_sync_weights(self) -> str:
-        """Write the current weights to the weight-sync buffer folder, or, when the engine
-        shares this process (`weights_in_memory`), publish a copy under its path."""
+        """Write the current weights to the weight-sync buffer folder or, with the memory
+        transport (`weights_in_memory`), publish a copy under its path: in this process,
+        or in the weight-sync controller's when that is another process."""
         if not self._weights_in_memory:
             return self._client.export_weights(self._sync_weight_path)
-        publish_in_memory(self._sync_weight_path, self._client.export_weights(None))
+        state = self._client.export_weights(None)
+        if self._engine_elsewhere():
+            execute(self._weight_sync_controller.publish_weights, state_to_arrays(state))
+        else:
+            publish_in_memory(self._sync_weight_path, state)
         return self._sync_weight_path
 
     # -- checkpoints ---------------------------------------------------------------

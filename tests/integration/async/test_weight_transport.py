@@ -35,9 +35,13 @@ def test_pushed_weights_are_the_trained_ones(async_config, transport, mode):
     assert bool(written) == (transport == "file")  # in one process: no files
 
 
-def test_memory_transport_across_processes_is_a_config_error(tmp_path):
+def test_memory_transport_without_an_engine_beside_the_pusher_is_a_config_error(tmp_path):
+    replicas = "+ray.inference_replicas={bundles_per_node: [1]}"
     with pytest.raises(ConfigError, match="weight.transport=memory"):
-        load_config([f"output_dir={tmp_path}", "launch_mode=ray", "weight.transport=memory"])
+        load_config(
+            [f"output_dir={tmp_path}", "launch_mode=ray", "weight.transport=memory", replicas]
+        )
+    load_config([f"output_dir={tmp_path}", "launch_mode=ray", "weight.transport=memory"])
     with pytest.raises(ConfigError, match="weight.transport=memory"):
         load_config(
             [

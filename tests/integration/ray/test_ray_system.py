@@ -82,6 +82,8 @@ def test_ray_run_keeps_the_local_mode_contract(ray_local, ray_config):
     assert step2["staleness/max"] == 0
     assert step2["rollout/serving_version"] == 1  # the shared engine got the pushed weights
     assert step2["train/behavior_old_logprob_absdiff"] < 1e-4
+    # weight.transport auto: the weights travelled inside the push call, no files
+    assert not list((run / "sync_weights").glob("*.safetensors"))
 
 
 def test_a_dead_actor_stops_the_run_with_a_clear_error(ray_local, ray_config):
@@ -151,6 +153,8 @@ def test_data_parallel_ranks_and_inference_replicas_on_their_own_bundles(ray_loc
     assert step2["rollout/serving_version"] == 1
     # 2 train ranks recompute the logprobs the replicas sampled with: same weights
     assert step2["train/behavior_old_logprob_absdiff"] < 1e-4
+    # replicas hold their own engines: weight.transport auto falls back to files
+    assert list((Path(controller.run_dir) / "sync_weights").glob("*.safetensors"))
 
 
 def test_the_controller_runs_as_a_ray_actor(ray_local, ray_config):

@@ -1,0 +1,49 @@
+"""The tracker calls nothing waits for (`end`, `increment`) reach a Ray tracker actor in
+batches through the process's `Outbox`; the proxy's reads see every earlier call."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nexrl.execute import REMOTE_CALLS
+from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+
+pytestmark = [pytest.mark.ray]
+
+
+def test_queued_calls_arrive_batched_and_reads_see_them(ray_local):
+    import ray
+
+    tracker = ray.remote(ActivityTracker).options(num_cpus=0, max_concurrency=8).remote({})
+    proxy = ActivityTrackerProxy(tracker)
+    REMOTE_CALLS.clear()
+    for _ in range(300):  # far faster than one Ray call: most calls share a batch
+        proxy.increment("tasks_done")
+    assert proxy.get_counters() == {"tasks_done": 300}
+    assert REMOTE_CALLS["apply"] < 100  # 300 increments, a few batches
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            with proxy.track(f"rollout_{i}", "step"):
+                proxy.increment("tasks_done")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert proxy.is_quiescent()  # every queued `end` arrived before the read
+    assert proxy.get_counters() == {"tasks_done": 380}
+    assert REMOTE_CALLS["start"] == 80  # `start` is still waited for, one call each
+    ray.kill(tracker)
+
+
+def test_a_bad_call_in_a_batch_does_not_lose_the_rest():
+    tracker = ActivityTracker({})
+    token = tracker.start("m", "w")
+    tracker.apply([("end", ("m:unknown",)), ("increment", ("n", 2)), ("end", (token,))])
+    assert tracker.get_counters() == {"n": 2} and tracker.is_quiescent()
+    with pytest.raises(ValueError, match="'start' cannot be queued"):
+        tracker.apply([("start", ("m", "w"))])
