@@ -182,9 +182,11 @@ class NexRLController:
         if total and self._train_step() >= total:
             return True
         s = self.system
+        if not execute(s.dataloader.is_finished):
+            return False
+        s.flush_tracker()  # the last tasks' queued `start`s are on record before we ask
         return (
-            execute(s.dataloader.is_finished)
-            and execute(self.activity_tracker.is_quiescent)
+            execute(self.activity_tracker.is_quiescent)
             and execute(s.trajectory_pool.is_empty)
             and execute(s.train_batch_pool.is_empty)
         )
@@ -302,6 +304,7 @@ class NexRLController:
     # -- shutdown ------------------------------------------------------------------
     def _stop(self, timeout: float = 60.0) -> None:
         self.system.stop()
+        self.system.flush_tracker()
         if not execute(self.activity_tracker.wait_quiescent, timeout):
             logger.warning(
                 "not quiescent after %.0fs: %s",

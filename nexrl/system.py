@@ -85,6 +85,10 @@ class ModuleSystem:
         (`settle`: first wait for actors being restarted to come back)."""
         return {}
 
+    def flush_tracker(self) -> None:
+        """Every tracker call queued in any process has arrived (Ray: the module actors'
+        outboxes; local mode calls the tracker directly)."""
+
     def loops(self) -> list[Any]:
         return [*self.train_workers, self.algorithm_processor, *self.rollout_workers]
 

@@ -169,6 +169,12 @@ class RaySystem(ModuleSystem):
         first wait (up to `ray.execute_timeout_s`) for actors Ray is restarting."""
         return self.resource_manager.restarted(settle, self.settings.execute_timeout_s)
 
+    def flush_tracker(self) -> None:
+        from nexrl.monitoring.outbox import flush_all
+
+        flush_all(timeout=30.0)
+        self.resource_manager.flush_tracker()
+
     def unfence(self, groups: list[str]) -> None:
         self.resource_manager.unfence(groups)
 

@@ -48,6 +48,7 @@ def quiesce_and_reset(system: Any, restarted: dict[str, list[str]], timeout: flo
     """Steps 1-3: every loop stopped, the fence lifted, no run state left in any module."""
     for module in reversed(system.loops()):
         execute(module.pause)
+    system.flush_tracker()  # every bracket of the stopped loops is on record
     tracker = system.activity_tracker
     if not execute(tracker.wait_quiescent, timeout):
         raise RuntimeError(

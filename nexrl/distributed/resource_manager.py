@@ -172,6 +172,12 @@ class ModuleActor:
 
         return dict(REMOTE_CALLS)
 
+    def flush_tracker(self) -> None:
+        """Deliver the tracker calls this actor's modules queued (nexrl/monitoring/outbox.py)."""
+        from nexrl.monitoring.outbox import flush_all
+
+        flush_all(timeout=30.0)
+
     def unfence(self) -> None:
         """The controller stopped every loop: calls reach the rebuilt modules again."""
         self._fence = None
@@ -394,6 +400,14 @@ class RayResourceManager:
 
     def unfence(self, groups: list[str]) -> None:
         ray.get([self.actors[g].unfence.remote() for g in groups])
+
+    def flush_tracker(self) -> None:
+        """Every module actor delivers its queued tracker calls (a dead one has none)."""
+        for group, actor in self.actors.items():
+            try:
+                ray.get(actor.flush_tracker.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                logger.warning("flush_tracker: the %s actor did not answer: %r", group, exc)
 
     def kill_all(self) -> None:
         """Kill every actor this manager created (no restart)."""

@@ -7,18 +7,21 @@ works when the tracker is a Ray actor. Work is bracketed by `start` -> token ->
 reports an escaping exception before re-raising it (the error is recorded,
 never swallowed).
 
-Usage order for quiescence: a rollout worker must enter `track(...)` *before*
-it takes a task from the data loader and leave it after the trajectory is in
-the pool; then "loader finished and rollout workers quiescent" means every
-loaded task has arrived, which the trajectory pool's tail-batch rule relies on.
-The `module` string given to `track` must be the name passed to
-`register_module` for `is_rollout_worker_quiescent` to see it.
+Quiescence is a view of brackets, not of tasks: a worker takes its task just
+before it enters `track`, and in Ray mode the bracket's calls travel batched
+(nexrl/monitoring/outbox.py). Where the answer must be exact the task ledger
+decides (the trajectory pool's end of data, `TaskAdmission.end_of_data`), and
+the end of the run and a Ray rewind stop the loops and flush every process's
+queued calls (`system.flush_tracker()`) before they ask. The `module` string
+given to `track` must be the name passed to `register_module` for
+`is_rollout_worker_quiescent` to see it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +36,8 @@ from nexrl.monitoring.loggers import ExperimentLogger
 from nexrl.monitoring.outbox import QUEUED, outbox_for
 
 logger = logging.getLogger(__name__)
+_PROCESS = os.urandom(4).hex()  # tokens made by proxies are unique across processes
+_TOKENS = itertools.count()
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -86,8 +91,10 @@ class ActivityTracker:
         self.experiment_logger = experiment_logger or build_experiment_logger(config or {})
 
     # ---- activity -------------------------------------------------------
-    def start(self, module: str, work: str) -> str:
-        token = f"{module}:{next(self._ids)}"
+    def start(self, module: str, work: str, token: str | None = None) -> str:
+        """Record `work` of `module` in flight; `token`: the caller's own unique name for
+        it (a proxy queueing its calls names it), else one is made."""
+        token = token or f"{module}:{next(self._ids)}"
         with self._cond:
             self._inflight[token] = (module, work, time.monotonic())
         return token
@@ -231,8 +238,8 @@ class ActivityTracker:
 class ActivityTrackerProxy:
     """What a module holds: forwards to the central tracker through `execute`.
 
-    With a Ray tracker, `end` and `increment` go through this process's `Outbox`
-    (batched, not waited for); the proxy's reads flush it first."""
+    With a Ray tracker, `start`, `end` and `increment` go through this process's
+    `Outbox` (batched, in order, not waited for); the proxy's reads flush it first."""
 
     def __init__(self, central_tracker: Any) -> None:
         self._central = central_tracker
@@ -250,7 +257,11 @@ class ActivityTrackerProxy:
     @contextmanager
     def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
         """Mark `work` in flight; an exception is reported (if asked) and re-raised."""
-        token = execute(self._central.start, module, work)
+        if is_remote(self._central.apply):  # queued: see nexrl/monitoring/outbox.py
+            token = f"{module}:{_PROCESS}:{next(_TOKENS)}"
+            self._queue("start", module, work, token)
+        else:
+            token = self._central.start(module, work)
         try:
             yield
         except Exception as exc:
@@ -258,8 +269,6 @@ class ActivityTrackerProxy:
                 execute(self._central.report_exception, module, work, exc)
             raise
         finally:
-            # not waited for: a late `end` only makes the run look busy a moment longer,
-            # while `start` must land before the work does (quiescence, see the top)
             self._queue("end", token)
 
     def is_quiescent(self) -> bool:

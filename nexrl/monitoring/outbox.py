@@ -1,17 +1,19 @@
-"""The tracker calls a process does not wait for, sent to a Ray tracker actor in batches.
+"""Tracker calls that nothing waits for, sent to a Ray tracker actor in batches.
 
-Each rollout task ends its `track` bracket and bumps a ledger counter: two tracker
-calls that nothing waits for. As separate Ray calls they cost the calling process
-about 0.1 ms of interpreter time each (taken from the engine thread beside it) and
-the tracker actor a thread dispatch each. An `Outbox` queues them and one sender
-thread per process and tracker delivers the queue as a single `apply` call, one
-batch at a time and in order, so a batch never overtakes the one before it.
+Every rollout task opens a `track` bracket, closes it and bumps a ledger counter:
+three tracker calls. As separate Ray calls they cost the calling process about
+0.1 ms of interpreter time each (taken from the engine thread beside it), the
+tracker actor a thread dispatch each, and a waited `start` a round trip before
+the task reached the engine. An `Outbox` queues them instead; one sender thread
+per process and tracker delivers the queue as a single `apply` call, one batch at
+a time, in order. So a `start` always reaches the tracker before its `end`.
 
-Only calls that commute with each other are queued (`end`, `increment`): their
-order inside the tracker does not matter, and `start` is still waited for, so an
-`end` can never arrive before its `start`. Readers in the same process call
-`flush()` first and see their own calls; readers elsewhere see them one batch
-later (milliseconds), which quiescence checks and counters already allow for.
+What a reader sees: readers in the same process `flush()` first and see every
+earlier call. A reader in another process may see a `start` a few milliseconds
+late; the checks where that matters (the end of the run, a Ray rewind) first flush
+every actor's outbox (`flush_all` through `RaySystem.flush_tracker`), and the
+trajectory pool's end-of-data check is exact without the tracker (the task
+ledger, nexrl/rollout/admission.py).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from nexrl.execute import execute
 
 logger = logging.getLogger(__name__)
 
-QUEUED = frozenset({"end", "increment"})
-"""The tracker methods an `Outbox` may carry (commuting, nothing waits for them)."""
+QUEUED = frozenset({"start", "end", "increment"})
+"""The tracker methods an `Outbox` may carry (nothing waits for their results)."""
 
 _BOXES: dict[str, Outbox] = {}
 _BOXES_LOCK = threading.Lock()
@@ -87,6 +89,9 @@ def outbox_for(central: Any) -> Outbox:
 
 
 @atexit.register
-def _flush_all() -> None:
-    for box in list(_BOXES.values()):
-        box.flush(timeout=2.0)
+def flush_all(timeout: float = 2.0) -> None:
+    """Deliver every call queued in this process so far (to every tracker)."""
+    with _BOXES_LOCK:
+        boxes = list(_BOXES.values())
+    for box in boxes:
+        box.flush(timeout=timeout)

@@ -1,5 +1,6 @@
-"""The tracker calls nothing waits for (`end`, `increment`) reach a Ray tracker actor in
-batches through the process's `Outbox`; the proxy's reads see every earlier call."""
+"""The tracker calls nothing waits for (`start`, `end`, `increment`) reach a Ray tracker
+actor in batches through the process's `Outbox`, in order; the proxy's reads see every
+earlier call."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_queued_calls_arrive_batched_and_reads_see_them(ray_local):
         t.join()
     assert proxy.is_quiescent()  # every queued `end` arrived before the read
     assert proxy.get_counters() == {"tasks_done": 380}
-    assert REMOTE_CALLS["start"] == 80  # `start` is still waited for, one call each
+    assert REMOTE_CALLS["start"] == 0  # brackets travel in the batches too
+    assert REMOTE_CALLS["apply"] < 100 + 3 * 80
     ray.kill(tracker)
 
 
@@ -45,5 +47,7 @@ def test_a_bad_call_in_a_batch_does_not_lose_the_rest():
     token = tracker.start("m", "w")
     tracker.apply([("end", ("m:unknown",)), ("increment", ("n", 2)), ("end", (token,))])
     assert tracker.get_counters() == {"n": 2} and tracker.is_quiescent()
-    with pytest.raises(ValueError, match="'start' cannot be queued"):
-        tracker.apply([("start", ("m", "w"))])
+    tracker.apply([("start", ("m", "w", "m:mine")), ("end", ("m:mine",))])
+    assert tracker.is_quiescent()
+    with pytest.raises(ValueError, match="'clear_errors' cannot be queued"):
+        tracker.apply([("clear_errors", ())])
