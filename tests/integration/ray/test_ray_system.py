@@ -86,6 +86,29 @@ def test_ray_run_keeps_the_local_mode_contract(ray_local, ray_config):
     assert not list((run / "sync_weights").glob("*.safetensors"))
 
 
+def test_a_run_ends_with_its_data_with_every_task_trained_and_counted(ray_local, ray_config):
+    """No step limit: the run ends when the data does (loader finished, every queued
+    tracker call flushed, nothing in flight, pools empty)."""
+    cfg = ray_config(
+        "train_worker.total_train_steps=0",
+        "train_worker.save_freq=0",
+        "data.num_epochs=1",
+        "data.max_items=16",  # 4 tasks per batch: 4 steps
+        "weight.validate_freq=0",
+        "validate.validate_before_train=false",
+    )
+    controller = NexRLController(cfg)
+    try:
+        controller.run()
+        counters = execute(controller.activity_tracker.get_counters)
+        quiet = execute(controller.activity_tracker.is_quiescent)
+    finally:
+        controller.system.shutdown()
+    lines = read_metrics(controller.run_dir)
+    assert [line["step"] for line in lines if "train/loss" in line] == [1, 2, 3, 4]
+    assert counters["tasks_trained"] == 16 and quiet
+
+
 def test_a_dead_actor_stops_the_run_with_a_clear_error(ray_local, ray_config):
     cfg = ray_config(
         "train_worker.total_train_steps=50",
