@@ -30,6 +30,7 @@ from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_
 from nexrl.models.sources import resolve_model
 from nexrl.training import checkpoint
 from nexrl.training.config import EngineConfig
+from nexrl.training.masks import dense_masks_apply, model_attention_mask
 from nexrl.training.microbatch import (
     chunked_token_logprobs,
     make_inputs,
@@ -144,14 +145,23 @@ class TorchTrainEngine:
             self._model_tokens += plan.model_tokens
             with autocast, _without_head(hf_model) as head:
                 return shared_prefix_logprobs(
-                    module, head, mb["input_ids"], plan, entropy, self.config.logprob_chunk_tokens
+                    module,
+                    head,
+                    mb["input_ids"],
+                    plan,
+                    entropy,
+                    self.config.logprob_chunk_tokens,
+                    dense_masks=dense_masks_apply(hf_model),
                 )
         self._model_tokens += int(mb["attention_mask"].sum())
         chunked = self.config.logprob_chunk_tokens > 0 and _can_chunk(hf_model, self.config)
         with autocast, _without_head(hf_model) if chunked else contextlib.nullcontext() as head:
+            mask = inputs.attention_mask
+            if mask is not None:  # padded, not packed
+                mask = model_attention_mask(mask, mask.shape[1], dense_masks_apply(hf_model))
             out = module(
                 input_ids=inputs.input_ids,
-                attention_mask=inputs.attention_mask,
+                attention_mask=mask,
                 position_ids=inputs.position_ids,
                 use_cache=False,
             ).logits

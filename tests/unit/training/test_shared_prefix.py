@@ -184,3 +184,45 @@ def test_a_run_with_shared_prefix_trains(tmp_path, tiny_model, monkeypatch):
     finally:
         controller.shutdown()
     assert len(calls) >= 2  # every train step took the shared path
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_masks_built_here_give_the_logprobs_of_transformers_own(tiny_model, monkeypatch, shared):
+    """Padded batches under SDPA get 4D masks from `nexrl.training.masks` (prefix, suffix
+    after a cache, plain forward); transformers' own 2D-mask construction must agree."""
+    from nexrl.training import masks, torch_engine
+
+    built = []
+    real = masks.causal_padding_mask
+    monkeypatch.setattr(masks, "causal_padding_mask", lambda *a: built.append(a) or real(*a))
+    batch = grouped_batch()
+    eng = engine(tiny_model, shared_prefix=shared)
+    ours = eng.compute_logprobs(batch)
+    assert built  # the dense path ran
+    monkeypatch.setattr(torch_engine, "dense_masks_apply", lambda model: False)
+    ref = eng.compute_logprobs(batch)
+    mask = batch.values["loss_mask"].bool()
+    torch.testing.assert_close(ours[mask], ref[mask], atol=1e-6, rtol=1e-6)
+
+
+def test_dense_mask_equals_transformers_mask_on_real_queries(tiny_model):
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask
+
+    from nexrl.training.masks import causal_padding_mask
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config._attn_implementation = "sdpa"
+    key_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    theirs = create_causal_mask(
+        config=config,
+        input_embeds=torch.zeros(3, 5, 1),
+        attention_mask=key_mask,
+        cache_position=torch.arange(5),
+        past_key_values=None,
+        position_ids=None,
+    )
+    ours = causal_padding_mask(key_mask, 5)
+    real = key_mask.bool()[:, None, :, None].expand_as(ours)
+    assert torch.equal(ours[real], theirs[real])
+    assert ours.any(-1).all()  # every query, padding too, sees at least itself
