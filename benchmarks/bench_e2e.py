@@ -8,7 +8,9 @@ AdamW lr 3e-4, grad clip 1.0 - the default config. The minimal loop below is the
 floor: HF `generate`, reward, one torch forward / backward / step, nothing else.
 
 Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
-fully-async (staleness 1, in-flight weight updates). Validation is off on the
+fully-async (staleness 1, in-flight weight updates); with several seeds, seed by seed
+(each seed's three runs back to back), so a machine whose speed drifts during the
+benchmark moves every side alike. Validation is off on the
 nexrl side so both report the same thing: median seconds per step and the
 seconds (sum of step times, start-up excluded) until the train reward, averaged
 over the last 5 steps, first reaches 0.9. The split: "rollout s" is HF `generate` in
@@ -204,6 +206,23 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def run_sides(
+    model: Path, rows: list[dict], shape: tuple[int, int, int], seeds: list[int], base: list[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every side's summary per seed, seed by seed (each seed's runs back to back), so
+    a machine whose speed drifts during the benchmark moves every side alike."""
+    prompts, group, steps = shape
+    sides: dict[str, list[dict[str, Any]]] = {"minimal loop": []}
+    sides.update({name: [] for name in NEXRL_VARIANTS})
+    for seed in seeds:
+        minimal = minimal_grpo(model, rows, prompts, group, steps, seed)
+        sides["minimal loop"].append(summarise(minimal))
+        for name, over in NEXRL_VARIANTS.items():
+            sides[name].append(summarise(nexrl_run([*base, *over, f"seed={seed}"])))
+        print(f"seed {seed}:", {k: v[-1]["s_to_target"] for k, v in sides.items()}, flush=True)
+    return sides
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600, help="max steps per side")
@@ -219,9 +238,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     rows = [json.loads(x) for x in train_path.read_text().splitlines()]
     model = default_model_path()
     seeds = [42 + i for i in range(max(1, args.seeds))]
-    runs = [summarise(minimal_grpo(model, rows, prompts, group, steps, s)) for s in seeds]
-    results = {"minimal loop": median_of(runs)}
-    print("minimal loop", results["minimal loop"], flush=True)
     base = [
         f"output_dir={tmp / 'out'}",
         f"train_worker.total_train_steps={steps}",
@@ -232,10 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         "train_worker.save_freq=0",
         "logger.backend=[jsonl]",
     ]
-    for name, over in NEXRL_VARIANTS.items():
-        runs = [summarise(nexrl_run([*base, *over, f"seed={s}"])) for s in seeds]
-        results[name] = median_of(runs)
-        print(name, results[name], flush=True)
+    sides = run_sides(model, rows, (prompts, group, steps), seeds, base)
+    results = {name: median_of(runs) for name, runs in sides.items()}
     shutdown_local_engines()
     ratios = compute_ratios(results)
     if not args.smoke:
@@ -254,6 +268,20 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None
     for name in reversed(NEXRL_VARIANTS):
         key = name.replace("nexrl ", "").replace("(1)+inflight", "")
         out[f"nexrl_{key}_vs_minimal_step_s"] = _ratio(results[name], base, "step_s")
+    return out
+
+
+def per_seed_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each nexrl side's seconds to 0.9 over the same seed's minimal run, run by run."""
+    base = results["minimal loop"]["s_to_target_runs"]
+    out = []
+    for name in NEXRL_VARIANTS:
+        runs = results[name]["s_to_target_runs"]
+        each = [None if a is None or b is None else a / b for a, b in zip(runs, base, strict=True)]
+        out.append(
+            f"- {name}, s to 0.9 / the same seed's minimal run: "
+            + ", ".join(_fmt(x, 2) for x in each)
+        )
     return out
 
 
@@ -289,7 +317,8 @@ def write(
             f"{r['update_s']:.3f} | {_fmt(r['steps_to_target'], 0)} | "
             f"{_fmt(r['s_to_target'])} | {each} | {r['final_reward']:.3f} |"
         )
-    lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items()), ""]
+    lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items())]
+    lines += [*per_seed_lines(results), ""]
     # newest run first, under the title; earlier runs stay below
     earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
     path.write_text("\n".join([TITLE, "", *lines, earlier]))
