@@ -184,7 +184,11 @@ class NexRLController:
         s = self.system
         if not execute(s.dataloader.is_finished):
             return False
-        s.flush_tracker()  # the last tasks' queued `start`s are on record before we ask
+        # a task between two modules (taken from a pool, its bracket not begun) is in no
+        # pool and not in flight: only the task ledger sees it until it is trained
+        if execute(s.weight_sync_controller.pending_tasks):
+            return False
+        s.flush_tracker()  # the last brackets' queued calls are on record before we ask
         return (
             execute(self.activity_tracker.is_quiescent)
             and execute(s.trajectory_pool.is_empty)

@@ -112,6 +112,11 @@ class WeightSyncController(NexRLModule):
         """No more groups of `model_tag` will reach the pool (`TaskAdmission.end_of_data`)."""
         return self.admission.end_of_data(model_tag)
 
+    def pending_tasks(self) -> int:
+        """Training tasks handed out and not yet trained, dropped, failed or given back (the
+        task ledger: exact, where the activity tracker only sees work in brackets)."""
+        return self.admission.pending_count()
+
     def drop_groups(self, model_tag: ModelTag, groups: list[GroupInfo], reason: str) -> int:
         """The pool drops groups that will never be trained; they are settled and counted."""
         return self.admission.drop_groups(model_tag, groups, reason)

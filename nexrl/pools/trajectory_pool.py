@@ -139,10 +139,8 @@ class TrajectoryPoolInstance:
                 f"batch_size {size} must be a positive multiple of group_size {self.group_size}"
             )
         with self._forming:
-            with self._lock:
-                groups = self._store.ready_groups()
+            groups, tail = self._ready_or_tail(size)
             ready = sum(len(g) for g in groups)
-            tail = ready < size and ready > 0 and self._end_of_data()
             if ready < size and not tail:
                 return None
             if tail and self._ready_rule == "batch_size":
@@ -167,6 +165,20 @@ class TrajectoryPoolInstance:
             batch_index=plan.index,
             staleness_dropped=len(plan.stale),
         )
+
+    def _ready_or_tail(self, size: int) -> tuple[list[list[Trajectory]], bool]:
+        """The ready groups, and whether they are the tail (fewer than `size` trajectories
+        and the end of the data). The end is asked after a short snapshot, then the groups
+        are read again: the last group may arrive between the two reads, and once the end
+        is reached nothing else can."""
+        with self._lock:
+            groups = self._store.ready_groups()
+        ready = sum(len(g) for g in groups)
+        if ready >= size or ready == 0 or not self._end_of_data():
+            return groups, False
+        with self._lock:
+            groups = self._store.ready_groups()
+        return groups, sum(len(g) for g in groups) < size
 
     def _drop_remainder(self, groups: list[list[Trajectory]], size: int) -> None:
         """End of the data under "batch_size": the groups that cannot fill a batch leave."""

@@ -133,6 +133,26 @@ def test_loaded_batch_finished_releases_the_tail() -> None:
     assert pool.get_batch() is None and [t["uid"] for t in pool.drain_incomplete()] == ["b"]
 
 
+def test_the_last_group_arriving_during_the_end_of_data_check_makes_a_full_batch() -> None:
+    """The pool reads its ready groups, then asks whether the data has ended; the last
+    group may arrive in between (then the answer is yes). It must form the full batch,
+    not drop the groups it read as a tail."""
+    loader = InMemoryDataLoader(items=[])
+    pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2))
+    wsc = RecordingWeightSync()
+
+    def last_group_arrives(model_tag):
+        pool.put_trajectory_group(group("b", 2))
+        return True
+
+    wsc.end_of_data = last_group_arrives
+    pool.set_module_references(loader, wsc)
+    pool.put_trajectory_group(group("a", 2))
+    batch = pool.get_batch()
+    assert batch is not None and batch.values["uid"] == ["a", "a", "b", "b"]
+    assert all(reason != "end_of_data" for *_, reason in wsc.calls)  # nothing dropped
+
+
 def test_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="multiple of trajectory_pool.group_size"):
         TrajectoryPool(TrajectoryPoolConfig(batch_size=6, group_size=4))
