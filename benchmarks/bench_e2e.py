@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     ]
     sides = run_sides(model, rows, (prompts, group, steps), seeds, base)
     results = {name: median_of(runs) for name, runs in sides.items()}
+    for name, result in results.items():
+        print(name, result, flush=True)
     shutdown_local_engines()
     ratios = compute_ratios(results)
     if not args.smoke:
