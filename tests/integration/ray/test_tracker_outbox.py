@@ -30,6 +30,7 @@ def test_queued_calls_arrive_batched_and_reads_see_them(ray_local):
             with proxy.track(f"rollout_{i}", "step"):
                 proxy.increment("tasks_done")
 
+    before = REMOTE_CALLS["apply"]
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -38,7 +39,7 @@ def test_queued_calls_arrive_batched_and_reads_see_them(ray_local):
     assert proxy.is_quiescent()  # every queued `end` arrived before the read
     assert proxy.get_counters() == {"tasks_done": 380}
     assert REMOTE_CALLS["start"] == 0  # brackets travel in the batches too
-    assert REMOTE_CALLS["apply"] < 100 + 3 * 80
+    assert REMOTE_CALLS["apply"] - before < 3 * 80  # 240 queued calls shared batches
     ray.kill(tracker)
 
 
