@@ -18,10 +18,11 @@ the padded (prompts, longest) grid, and the last layer on each prompt's last
 token only. Prefix sharing: the `n` samples of a prompt are prefilled once and
 the prompt KV is copied into their `n` rows.
 
-Decode attention: the native kernel (`native.py`) when it is available, which
-appends the step's K/V and attends over each row's own positions in one call;
-otherwise two strided batched matmuls straight on the cache with the GQA group
-folded into the query axis, masked to each row's positions.
+Decode attention: the native kernel (`native.py`, fp32 or bf16 caches on a CPU) when
+it is available, which appends the step's K/V and attends over each row's own
+positions in one call; otherwise two strided batched matmuls straight on the cache
+with the GQA group folded into the query axis, masked to each row's positions (fp32),
+or SDPA's fused kernel (other dtypes).
 """
 
 from __future__ import annotations
@@ -234,10 +235,10 @@ class ModelRunner:
         ]
         slots = torch.arange(max_slots, device=self.device)[:, None] * self.n_kv
         self._row_base = (slots + torch.arange(self.n_kv, device=self.device)) * max_len
-        on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        on_cpu = self.device.type == "cpu"
         self.native_attention = (
-            native.decode_attention(self.head_dim, max_len)
-            if native_attention and on_cpu_fp32
+            native.decode_attention(self.head_dim, max_len, self.dtype)
+            if native_attention and on_cpu
             else None
         )
         self._rope_table(max_len)

@@ -48,29 +48,48 @@ def test_linear_backend_is_validated():
 
 
 @needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_rope", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (4, 4, 16), (8, 2, 24)])
-def test_native_attention_matches_reference(heads, kv_heads, head_dim, with_rope):
-    attend = native.decode_attention(head_dim, 40)
+def test_native_attention_matches_reference(heads, kv_heads, head_dim, with_rope, dtype):
+    """fp32 and bf16 caches: the kernel computes in fp32 and rounds once, as the fp32
+    reference does (bf16: the appended keys equal the reference's bit for bit)."""
+    attend = native.decode_attention(head_dim, 40, dtype)
     assert attend is not None, "the kernel failed to build or failed its self-check"
     gen = torch.Generator().manual_seed(heads + head_dim)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
     rows = 6
-    kc = torch.randn(8, kv_heads, 40, head_dim, generator=gen)
-    vc = torch.randn(8, kv_heads, 40, head_dim, generator=gen)
+    kc, vc = randn(8, kv_heads, 40, head_dim), randn(8, kv_heads, 40, head_dim)
     pos = torch.tensor([0, 3, 39, 17, 1, 25])
     # q, k, v as the decode step hands them over: strided slices of the fused projection
-    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen)
+    qkv = randn(rows, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    rope = tuple(torch.randn(40, head_dim, generator=gen) for _ in range(2)) if with_rope else None
+    rope = (randn(40, head_dim), randn(40, head_dim)) if with_rope else None
     want_kc, want_vc = kc.clone(), vc.clone()
     want = native.reference_attention(q, k, v, want_kc, want_vc, pos, rope)
     for b, p in enumerate(pos.tolist()):  # keys and values past a row's position are never read
         kc[b, :, p + 1 :] = float("nan")
         vc[b, :, p + 1 :] = float("nan")
-    torch.testing.assert_close(attend(q, k, v, kc, vc, pos, rope), want, atol=1e-5, rtol=1e-4)
+    got = attend(q, k, v, kc, vc, pos, rope)
+    assert got.dtype == dtype
+    tol = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1e-2)}[dtype]
+    torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
     for b, p in enumerate(pos.tolist()):  # the step's k (rotated) and v were appended at pos
-        torch.testing.assert_close(kc[b, :, : p + 1], want_kc[b, :, : p + 1])
-        torch.testing.assert_close(vc[b, :, : p + 1], want_vc[b, :, : p + 1])
+        torch.testing.assert_close(kc[b, :, : p + 1], want_kc[b, :, : p + 1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(vc[b, :, : p + 1], want_vc[b, :, : p + 1], atol=0, rtol=0)
+
+
+@needs_cc
+def test_native_attention_refuses_a_cache_of_another_dtype():
+    attend = native.decode_attention(16, 8, torch.bfloat16)
+    assert attend is not None
+    q, kv = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    cache = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(TypeError, match="bfloat16 kernel got a torch.float32 cache"):
+        attend(q, kv, kv, cache, cache.clone(), torch.tensor([0]))
 
 
 @needs_cc
@@ -174,15 +193,20 @@ def test_packed_weights_match_and_follow_weight_updates(tmp_path, dtype, tol):
         engine.shutdown()
 
 
-def test_bf16_engine_decodes_through_sdpa_close_to_the_fp32_trainer(
-    tiny_path, hf_model, trainer_logprobs
+@pytest.mark.parametrize("native_attention", [pytest.param(True, marks=needs_cc), False])
+def test_bf16_engine_decodes_close_to_the_fp32_trainer(
+    tiny_path, hf_model, trainer_logprobs, native_attention
 ):
-    """A bf16 engine (torch attention path: SDPA over the cache in place) samples with
-    logprobs within bf16 rounding of the fp32 trainer's, over prompts of different
-    lengths decoded together; the mismatch left is what the IS correction is for."""
-    engine = Engine(tiny_path, max_batch_size=16, dtype="bfloat16")
+    """A bf16 engine (the native bf16 kernel, or the torch path: SDPA over the cache in
+    place) samples with logprobs within bf16 rounding of the fp32 trainer's, over prompts
+    of different lengths decoded together; the mismatch left is what the IS correction
+    is for."""
+    engine = Engine(
+        tiny_path, max_batch_size=16, dtype="bfloat16", native_attention=native_attention
+    )
     try:
-        assert engine.runner.dtype == torch.bfloat16 and engine.runner.native_attention is None
+        assert engine.runner.dtype == torch.bfloat16
+        assert (engine.runner.native_attention is not None) == native_attention
         prompts = [[5, 6, 7], list(range(10, 31)), [9], list(range(3, 14))]
         params = [SamplingParams(max_new_tokens=12, n=2, seed=i, ignore_eos=True) for i in range(4)]
         futures = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nexrl.inference.sampler import CDF_BLOCK, SampleKinds, _inverse_cdf, sample_next
@@ -16,7 +18,8 @@ def test_inverse_cdf_matches_the_distribution_across_blocks() -> None:
     logp = torch.log_softmax(logits, -1)
     n = 400_000
     u = 1.0 - torch.rand(n, 2, dtype=torch.float64)
-    tokens = _inverse_cdf(logp.expand(n, vocab), u)
+    tokens, mass = _inverse_cdf(logp.exp().expand(n, vocab), u)
+    assert torch.allclose(mass, torch.ones(n, dtype=torch.float64))
     freq = torch.bincount(tokens, minlength=vocab).double() / n
     p = logp.exp().double()
     assert freq[3] == 0 and freq[vocab - 1] == 0 and tokens.max() < vocab
@@ -31,7 +34,9 @@ def test_unnormalised_truncated_rows_sample_their_kept_tokens_only() -> None:
     logp[2, 256] = 0.0  # first token of the last, ragged block
     logp[3, :] = 0.0
     u = torch.tensor([[1.0, 1.0], [1e-12, 1e-12], [0.5, 0.5], [1.0, 1.0]], dtype=torch.float64)
-    tokens = _inverse_cdf(logp, u)
+    tokens, mass = _inverse_cdf(logp.exp(), u)
+    kept = torch.tensor([math.exp(-5.0), 2 * math.exp(-9.0), 1.0, 300.0], dtype=torch.float64)
+    assert torch.allclose(mass, kept)  # each row's total weight, unnormalised
     assert tokens[:3].tolist() == [299, 0, 256] and tokens[3] == 299
 
 
@@ -51,3 +56,18 @@ def test_seeded_rows_repeat_whatever_shares_the_batch() -> None:
     draws = [draw(seed) for seed in range(20)]
     assert len({int(t[1]) for t in draws}) == 1  # the seeded row
     assert len({int(t[0]) for t in draws}) > 1  # the others vary with the default generator
+
+
+def test_untruncated_logprobs_equal_log_softmax_at_every_temperature() -> None:
+    """The untruncated path reports log_softmax(logits / T)[token] from its own block sums
+    (greedy rows: log_softmax(logits)[argmax]), over a vocabulary of ragged blocks."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3 * CDF_BLOCK + 11, generator=gen) * 4
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.0, 0.7])
+    ones, k = torch.ones(6), torch.zeros(6, dtype=torch.long)
+    kinds = SampleKinds(greedy=True, tempered=True, truncated=False)
+    tokens, logprobs = sample_next(logits, temperature, ones, k, None, gen, kinds)
+    scale = torch.where(temperature > 0, temperature, torch.ones(6))[:, None]
+    want = torch.log_softmax(logits / scale, -1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=0)
+    assert tokens[3] == logits[3].argmax()
