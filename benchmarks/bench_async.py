@@ -57,10 +57,12 @@ VARIANTS: dict[str, list[str]] = {
     "batch-async(1)": ["weight.sync_mode=batch-async", "weight.staleness_threshold=1"],
     # the fully-async default: pushes swap weights under running requests (in-flight)
     "fully-async(1)": ["weight.sync_mode=fully-async", "weight.staleness_threshold=1"],
+    # pushes abort running requests and the task starts over (xtuner's async 1)
     "fully-async(1)+abort": [
         "weight.sync_mode=fully-async",
         "weight.staleness_threshold=1",
         "weight.inflight_weight_update=false",
+        "weight.enable_partial_rollout=false",
     ],
     "fully-async(1)+partial": [
         "weight.sync_mode=fully-async",

@@ -65,7 +65,7 @@ def build_rollout_worker(cfg: DictConfig) -> Any:
 
     config = section(cfg.rollout_worker)
     cls = ROLLOUT_WORKERS.get(config.type)
-    context = RolloutContext.from_config(cfg)
+    context = RolloutContext.from_config(cfg, inflight_capable(cfg))
     client = build_llm_client(cfg)
     if config.type == "simple":
         return cls(config, client, context)
@@ -157,11 +157,17 @@ def groups_per_batch(cfg: DictConfig) -> int:
     return max(1, cfg.trajectory_pool.batch_size // max(1, cfg.trajectory_pool.group_size))
 
 
+def inflight_capable(cfg: DictConfig) -> bool:
+    """The inference backend can swap weights under running requests (the built-in
+    engine, in-process or behind `nexrl serve`)."""
+    return cfg.service.inference_service.backend in ("builtin", "remote")
+
+
 def build_weight_sync_controller(cfg: DictConfig) -> Any:
     from nexrl.weight_sync import WeightSyncController
 
     backend = cfg.service.inference_service.backend
-    capable = backend in ("builtin", "remote")
+    capable = inflight_capable(cfg)
     if cfg.weight.inflight_weight_update and not capable:
         raise ValueError(
             f"weight.inflight_weight_update=true needs the built-in engine (backend builtin, "

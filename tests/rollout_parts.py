@@ -67,7 +67,7 @@ def build_rollout_side(
         )
     )
     ctx = ctx or context(
-        enable_partial_rollout=weight.enable_partial_rollout,
+        enable_partial_rollout=wsc.policy.enable_partial_rollout,
         tail_batch_candidate_steps=weight.tail_batch_candidate_steps,
     )
     rollout = worker_cls(worker_cfg, client, ctx, reward)

@@ -179,9 +179,12 @@ class WeightConfig:
     over_sample_threshold: float = 0.0
     """xtuner's over-sending: this fraction of a batch's groups may run beyond the
     staleness budget (e.g. 0.2 = 20% extra); extras that land too late are dropped."""
-    enable_partial_rollout: bool = False
-    """fully-async: a weight push aborts running requests; keep their tokens and
-    continue them on the new weights (else re-queue the task at the front)."""
+    enable_partial_rollout: bool | None = None
+    """fully-async with aborting pushes: keep the tokens of aborted requests and
+    continue them on the new weights; false: re-queue the task at the front and
+    start it over (xtuner's async 1 and 2). null: on whenever pushes abort (in-flight
+    updates off or not possible, e.g. backend hf / vllm / sglang): starting over makes
+    a long tail slower than sync (docs/async.md)."""
     inflight_weight_update: bool | None = None
     """fully-async: a push swaps the weights under running requests instead of
     aborting them; they continue on the new weights with their cached prefix and

@@ -37,6 +37,7 @@ from nexrl.protocols import (
     WeightSyncLike,
 )
 from nexrl.rewards.runner import RewardCall, RewardOutcome, RewardRunner
+from nexrl.rollout.sample_policy import resolve_inflight, resolve_partial
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,16 @@ class RolloutContext:
     system_prompt: str | None
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> RolloutContext:
+    def from_config(cls, cfg: DictConfig, inflight_capable: bool = True) -> RolloutContext:
+        """`inflight_capable`: the engine can swap weights under running requests (it
+        decides whether `weight.enable_partial_rollout: null` is on)."""
+        inflight = resolve_inflight(cfg.weight, inflight_capable)
         return cls(
             prompt_key=cfg.data.prompt_key,
             validate_temperature=cfg.validate.temperature,
             validate_samples=cfg.validate.n_samples,
             source_key=cfg.validate.source_key,
-            enable_partial_rollout=cfg.weight.enable_partial_rollout,
+            enable_partial_rollout=resolve_partial(cfg.weight, inflight),
             tail_batch_candidate_steps=cfg.weight.tail_batch_candidate_steps,
             dynamic_sampling=cfg.algorithm.dynamic_sampling,
             system_prompt=cfg.data.system_prompt,

@@ -71,6 +71,29 @@ def test_aborts_and_tail_batches_keep_the_bound_and_the_ledger(async_config):
     assert counters["rollout/partial_continuations"] > 0
 
 
+@pytest.mark.parametrize("partial", [None, False])
+def test_aborting_pushes_continue_samples_unless_partial_rollout_is_off(async_config, partial):
+    """In-flight updates off: pushes abort running requests. By default the aborted
+    samples go on from their tokens (partial rollout); with it set to false the task is
+    re-queued and starts over."""
+    extra = [
+        *MODES["fully-async"],
+        "weight.inflight_weight_update=false",
+        "+service.inference_service.engine.emulated_step_latency_s=0.01",
+        "service.inference_service.engine.max_batch_size=32",
+        "rollout_worker.max_tokens=16",
+    ]
+    if partial is not None:
+        extra.append(f"weight.enable_partial_rollout={str(partial).lower()}")
+    controller = NexRLController(async_config(*extra))
+    controller.run()
+    check_run(controller, "fully-async")
+    counters = controller.activity_tracker.get_counters()
+    assert counters["rollout/aborted_groups"] > 0
+    continued = counters.get("rollout/partial_continuations", 0)
+    assert continued > 0 if partial is None else continued == 0
+
+
 def test_inflight_updates_reach_running_requests_without_aborts(async_config):
     """Pushes swap the weights under running requests: nothing is aborted, and samples
     that were running during a push carry two versions in `token_versions`."""

@@ -206,3 +206,48 @@ def test_default_run_config_leaves_inflight_to_the_mode():
         load_config(["weight.sync_mode=fully-async", "service.inference_service.backend=hf"])
     )
     assert fully.policy.inflight_weight_update and not hf.policy.inflight_weight_update
+
+
+@pytest.mark.parametrize(
+    ("extra", "capable", "expected"),
+    [
+        ({"sync_mode": "fully-async"}, True, False),  # in-flight: pushes abort nothing
+        ({"sync_mode": "fully-async"}, False, True),  # aborting pushes: continue the samples
+        ({"sync_mode": "fully-async", "inflight_weight_update": False}, True, True),
+        ({"sync_mode": "fully-async", "tail_batch_candidate_steps": 1}, True, True),
+        (  # xtuner's async 1: aborted samples start over
+            {
+                "sync_mode": "fully-async",
+                "inflight_weight_update": False,
+                "enable_partial_rollout": False,
+            },
+            True,
+            False,
+        ),
+        ({"sync_mode": "batch-async"}, False, False),  # its pushes wait, abort nothing
+        ({"sync_mode": "sync"}, False, False),
+    ],
+)
+def test_partial_rollout_default_is_on_where_pushes_abort(extra, capable, expected):
+    policy = SamplePolicy.from_config(WeightConfig(**extra), 2, inflight_capable=capable)
+    assert policy.enable_partial_rollout is expected
+    assert not (policy.enable_partial_rollout and policy.inflight_weight_update)
+
+
+def test_rollout_context_resolves_partial_rollout_like_the_policy():
+    from nexrl.builders import build_weight_sync_controller, inflight_capable
+    from nexrl.config import load_config
+    from nexrl.rollout.base import RolloutContext
+
+    for extra in (
+        ["weight.sync_mode=fully-async"],
+        ["weight.sync_mode=fully-async", "service.inference_service.backend=hf"],
+        ["weight.sync_mode=fully-async", "weight.inflight_weight_update=false"],
+        ["weight.sync_mode=batch-async"],
+    ):
+        cfg = load_config(extra)
+        policy = build_weight_sync_controller(cfg).policy
+        context = RolloutContext.from_config(cfg, inflight_capable(cfg))
+        assert context.enable_partial_rollout is policy.enable_partial_rollout, extra
+    hf = load_config(["weight.sync_mode=fully-async", "service.inference_service.backend=hf"])
+    assert RolloutContext.from_config(hf, inflight_capable(hf)).enable_partial_rollout
