@@ -3,6 +3,8 @@
     python benchmarks/bench_async.py            # ~30 minutes on 2 CPU cores
     python benchmarks/bench_async.py --quick    # < 3 minutes, fixed short runs
     python benchmarks/bench_async.py --smoke    # seconds: every variant, 2 tiny steps
+    python benchmarks/bench_async.py --only emulated/long_tail --latency 0.033 --steps 40
+                                                # one engine and task: async_emulated_long_tail.md
 
 Two tasks, each variant in the same process one after the other:
 
@@ -161,36 +163,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=None, help="emulated s per engine step")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--smoke", action="store_true", help="2 tiny steps per variant, no files")
+    parser.add_argument(
+        "--only", choices=[f"{e}/{t}" for e in ENGINES for t in TASKS], default=None,
+        help="one engine/task (emulated needs --latency); writes async_<engine>_<task>.*",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="fixed steps per run")
     args = parser.parse_args(argv)
+    if args.only and args.only.startswith("emulated") and args.latency is None and not args.smoke:
+        parser.error("--only emulated/... needs --latency (the calibration runs on cpu/default)")
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_async_"))
     model = build_tiny_qwen2(tmp / "model")
     steps = {"default": 30 if args.quick else None, "long_tail": 10 if args.quick else 60}
+    if args.steps is not None:
+        steps = dict.fromkeys(TASKS, args.steps)
     tables: dict[str, dict[str, dict[str, Any]]] = {}
     latency = args.latency
     if args.smoke:
         steps, latency = {"default": 2, "long_tail": 2}, latency or 0.001
-    for engine in ("emulated",) if args.smoke else ("cpu", "emulated"):
-        for task in ("default", "long_tail"):
-            base = [*common(tmp, model), *task_overrides(task, tmp, steps[task])]
-            base += SMOKE if args.smoke else []
-            if engine == "emulated" and latency is None:
-                latency = calibrate(tables["cpu/default"]["sync"], max_tokens=4)
-                print(f"emulated latency: {latency * 1000:.1f} ms per engine step", flush=True)
-            print(f"## {engine} / {task}", flush=True)
-            step_latency = 0.0 if engine == "cpu" else latency
-            names = ["sync", HEADLINE] if args.smoke and task == "long_tail" else [*VARIANTS]
-            tables[f"{engine}/{task}"] = run_variants(base, step_latency, names)
-    sweep = [] if args.smoke else run_sweep(tmp, model, latency)
+    for engine, task in pairs(args.only, args.smoke):
+        base = [*common(tmp, model), *task_overrides(task, tmp, steps[task])]
+        base += SMOKE if args.smoke else []
+        if engine == "emulated" and latency is None:
+            latency = calibrate(tables["cpu/default"]["sync"], max_tokens=4)
+            print(f"emulated latency: {latency * 1000:.1f} ms per engine step", flush=True)
+        print(f"## {engine} / {task}", flush=True)
+        step_latency = 0.0 if engine == "cpu" else latency
+        names = ["sync", HEADLINE] if args.smoke and task == "long_tail" else [*VARIANTS]
+        tables[f"{engine}/{task}"] = run_variants(base, step_latency, names)
+    sweep = [] if args.smoke or args.only else run_sweep(tmp, model, latency)
     shutdown_local_engines()
     ratios = compute_ratios(tables)
     if not args.smoke:
-        _write(args.out, tables, ratios, sweep, latency, args.quick)
+        name = "async_" + args.only.replace("/", "_") if args.only else None
+        _write(args.out, tables, ratios, sweep, latency, args.quick, name, args.latency is None)
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
-    print(f"fully_async_vs_sync_emulated: {ratios['emulated/default/' + HEADLINE]:.2f}")
+    headline = args.only or "emulated/default"
+    print(f"fully_async_vs_sync_{headline.split('/')[0]}: {ratios[f'{headline}/{HEADLINE}']:.2f}")
     return 0
+
+
+ENGINES, TASKS = ("cpu", "emulated"), ("default", "long_tail")
+
+
+def pairs(only: str | None, smoke: bool) -> list[tuple[str, str]]:
+    """(engine, task) runs in order: the cpu ones first (they calibrate the latency)."""
+    if only:
+        engine, task = only.split("/")
+        return [(engine, task)]
+    return [(e, t) for e in (("emulated",) if smoke else ENGINES) for t in TASKS]
 
 
 def common(tmp: Path, model: Path) -> list[str]:
@@ -244,9 +267,19 @@ def _row(engine: str, task: str, name: str, r: dict[str, Any]) -> str:
     )
 
 
-def _write(out: Path, tables, ratios, sweep, latency: float, quick: bool) -> None:
+def _write(
+    out: Path,
+    tables,
+    ratios,
+    sweep,
+    latency: float,
+    quick: bool,
+    name: str | None = None,
+    calibrated: bool = True,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    name = "async_quick" if quick else "async"
+    name = name or ("async_quick" if quick else "async")
+    title = {"async": "full", "async_quick": "--quick"}.get(name, name)
     payload = {"tables": tables, "ratios": ratios, "sweep": sweep, "latency_s": latency}
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
     header = (
@@ -261,11 +294,13 @@ def _write(out: Path, tables, ratios, sweep, latency: float, quick: bool) -> Non
         for variant, r in results.items()
     ]
     lines = [
-        f"# bench_async ({'--quick' if quick else 'full'})",
+        f"# bench_async ({title})",
         "",
         describe(),
         f"Load average at the end: {_load()}. Emulated latency: {latency * 1000:.1f} ms "
-        "per engine step (calibrated: one batch generates in about one train step).",
+        "per engine step ("
+        + ("calibrated: one batch generates in about one train step" if calibrated else "given")
+        + ").",
         "",
         header,
         *rows,
@@ -274,15 +309,18 @@ def _write(out: Path, tables, ratios, sweep, latency: float, quick: bool) -> Non
         "",
         *(f"- {k}: {v:.2f}" for k, v in ratios.items()),
         "",
-        "Latency sweep (default task, 30 steps, samples/s vs sync):",
-        "",
-        *(
-            f"- {s['scale']}x ({s['latency_s'] * 1000:.1f} ms): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in s["ratios"].items())
-            for s in sweep
-        ),
-        "",
     ]
+    if sweep:
+        lines += [
+            "Latency sweep (default task, 30 steps, samples/s vs sync):",
+            "",
+            *(
+                f"- {s['scale']}x ({s['latency_s'] * 1000:.1f} ms): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in s["ratios"].items())
+                for s in sweep
+            ),
+            "",
+        ]
     (out / f"{name}.md").write_text("\n".join(lines))
 
 

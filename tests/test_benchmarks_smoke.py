@@ -100,3 +100,11 @@ def test_e2e_smoke_mode_with_several_seeds(tmp_path: Path) -> None:
     out = run_smoke("bench_e2e.py", "--seeds", "2", "--out", str(tmp_path))
     assert "'s_to_target_runs': [" in out  # the medians name each run's time to target
     assert SMOKE_LINES["bench_e2e.py"] in out
+
+
+@pytest.mark.slow
+def test_async_smoke_mode_on_one_engine_and_task(tmp_path: Path) -> None:
+    out = run_smoke("bench_async.py", "--only", "emulated/long_tail", "--out", str(tmp_path))
+    assert "## emulated / long_tail" in out and "## emulated / default" not in out
+    assert "fully_async_vs_sync_emulated:" in out
+    assert not list(tmp_path.iterdir())  # smoke mode writes no results

@@ -122,8 +122,8 @@ def resolve_partial(config: WeightConfig, inflight: bool) -> bool:
     """`weight.enable_partial_rollout: null` is on when fully-async pushes abort running
     requests (`inflight`: the resolved in-flight setting): an aborted sample then goes
     on from its tokens instead of starting over. Restarting every group a push finds
-    running made fully-async 0.97x sync on the long-tail task with the emulated
-    accelerator, continuing it 1.15x (docs/async.md)."""
+    running made fully-async 0.94-0.97x sync on the long-tail task with the emulated
+    accelerator, continuing it 1.08-1.15x (docs/async.md)."""
     if config.enable_partial_rollout is not None:
         return bool(config.enable_partial_rollout)
     return config.sync_mode == "fully-async" and not inflight
