@@ -83,6 +83,37 @@ def test_native_attention_matches_reference(heads, kv_heads, head_dim, with_rope
 
 
 @needs_cc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_attention_splits_its_blocks_over_torch_threads(threads):
+    """Where torch runs on libgomp the kernel is built with OpenMP on the same runtime (no
+    second one is mapped) and splits its (row, kv head) blocks over the caller's torch
+    threads, each with its own scratch; any thread count gives the reference result."""
+    before = native._openmp_runtimes()
+    attend = native.decode_attention(16, 24, torch.float32)
+    assert attend is not None
+    assert native._openmp_runtimes() == before
+    if "OpenMP" in torch.__config__.parallel_info() and len(before) == 1:
+        assert native.openmp_flags() == ("-fopenmp",)
+    gen = torch.Generator().manual_seed(threads)
+    rows, heads, kv = 9, 6, 2
+    q, k, v = (torch.randn(rows, n, 16, generator=gen) for n in (heads, kv, kv))
+    kc, vc = (
+        torch.randn(rows, kv, 24, 16, generator=gen),
+        torch.randn(rows, kv, 24, 16, generator=gen),
+    )
+    pos = torch.randint(0, 24, (rows,), generator=gen)
+    rope = (torch.randn(24, 16, generator=gen), torch.randn(24, 16, generator=gen))
+    want = native.reference_attention(q, k, v, kc.clone(), vc.clone(), pos, rope)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attend(q, k, v, kc, vc, pos, rope)
+    finally:
+        torch.set_num_threads(saved)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@needs_cc
 def test_native_attention_refuses_a_cache_of_another_dtype():
     attend = native.decode_attention(16, 8, torch.bfloat16)
     assert attend is not None
