@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import nexrl.inference.native as native
+from nexrl.inference.fused import fused_ops
 from nexrl.inference.kernels import linear_for, weight_packer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -241,6 +242,8 @@ class ModelRunner:
             if native_attention and on_cpu
             else None
         )
+        # the decode step's residual adds, norms and SiLU in C (same switch as attention)
+        self.fused = fused_ops(self.dtype) if native_attention and on_cpu else None
         self._rope_table(max_len)
         self.refresh()
         # RoPE at decode runs in torch unless the native kernel does it for every layer
@@ -278,14 +281,6 @@ class ModelRunner:
             v[dst, :, :span] = v[src, :, :span]
 
     # -- forwards ---------------------------------------------------------------------------
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        h = _rms(x, layer.ln2, self.eps)
-        gate, up = self.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(_rms(x, self.final_norm, self.eps), self.lm_head).float()
-
     @torch.inference_mode()
     def prefill(
         self, tokens: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
@@ -304,9 +299,10 @@ class ModelRunner:
         tokens = tokens.to(self.device)
         cos, sin = self.cos[plan.pos][:, None], self.sin[plan.pos][:, None]  # (T, 1, D)
         x = F.embedding(tokens.reshape(-1)[plan.grid], self.embed)  # (T, H)
+        x, h = self._add_norm(x, None, self.layers[0].ln1)
         last_layer = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = self._decode_qkv(layer, _rms(x, layer.ln1, self.eps), cos, sin)
+            q, k, v = self._decode_qkv(layer, h, cos, sin)
             self._write_prompt_kv(i, plan, k, v)
             kp, vp = plan.pad(k, r, p), plan.pad(v, r, p)  # (R, kv, P, D)
             if i < last_layer:
@@ -320,8 +316,8 @@ class ModelRunner:
                     q_last, kp, vp, attn_mask=plan.key_mask(r, p), enable_gqa=True
                 ).reshape(r, -1)
                 x = x.index_select(0, plan.last)
-            x = self._mlp(layer, x + self.linear(att, layer.o_w, layer.o_b))
-        return self._logits(x)
+            x, h = self._mlp(i, x, self.linear(att, layer.o_w, layer.o_b))
+        return self.linear(h, self.lm_head).float()
 
     def _write_prompt_kv(self, layer: int, plan: _Plan, k: torch.Tensor, v: torch.Tensor) -> None:
         d = self.head_dim
@@ -339,10 +335,10 @@ class ModelRunner:
             flat = (self._row_base[:b] + pos[:, None]).flatten()
             span = int(pos.max()) + 1
             bias = self._decode_bias(pos, span)
-        x = F.embedding(tokens, self.embed)  # (B, H)
+        x = F.embedding(tokens, self.embed)  # (B, H), a new tensor (updated in place below)
+        x, h = self._add_norm(x, None, self.layers[0].ln1)
         for i, layer in enumerate(self.layers):
             kc, vc = self.k_cache[i], self.v_cache[i]
-            h = _rms(x, layer.ln1, self.eps)
             if self.native_attention is not None and layer.q_norm is None:
                 att = self._native_step(layer, h, kc, vc, pos)  # RoPE and append in C too
             elif self.native_attention is not None:  # appends k, v to the cache itself
@@ -353,9 +349,33 @@ class ModelRunner:
                 kc.view(-1, d).index_copy_(0, flat, k.reshape(b * kv, d))
                 vc.view(-1, d).index_copy_(0, flat, v.reshape(b * kv, d))
                 att = self._decode_attention(q, kc, vc, bias, b, span)
-            x = x + self.linear(att.reshape(b, -1), layer.o_w, layer.o_b)
-            x = self._mlp(layer, x)
-        return self._logits(x)
+            x, h = self._mlp(i, x, self.linear(att.reshape(b, -1), layer.o_w, layer.o_b))
+        return self.linear(h, self.lm_head).float()
+
+    def _mlp(self, i: int, x: torch.Tensor, attended: torch.Tensor):
+        """Layer i after its attention: the residual add, the MLP and its residual add;
+        returns (x, x normed for what comes next: layer i + 1, or the LM head)."""
+        layer = self.layers[i]
+        x, h = self._add_norm(x, attended, layer.ln2)
+        act = self._silu_mul(self.linear(h, layer.gate_up_w, layer.gate_up_b))
+        last = i + 1 == len(self.layers)
+        norm = self.final_norm if last else self.layers[i + 1].ln1
+        return self._add_norm(x, self.linear(act, layer.down_w, layer.down_b), norm)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor):
+        """(x + delta, RMSNorm of it with weight w): the residual connection and the next
+        norm. With the fused C ops x is updated in place (the forward owns it)."""
+        if self.fused is not None:
+            return x, self.fused.add_rms_norm(x, delta, w, self.eps)
+        if delta is not None:
+            x = x + delta
+        return x, _rms(x, w, self.eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _native_step(self, layer: _Layer, h, kc, vc, pos) -> torch.Tensor:
         """q/k/v projection, then RoPE, cache append and attention in one native call."""

@@ -70,32 +70,48 @@ def _cpu_id() -> str:
 
 
 def _build(head_dim: int, dtype: torch.dtype = torch.float32) -> Path | None:
-    """Compile (or find) the library for `head_dim` and `dtype` (a key of `DTYPES`); None
-    without a working compiler."""
+    """Compile (or find) the attention library for `head_dim` and `dtype` (a key of
+    `DTYPES`); None without a working compiler."""
+    return build_library(SOURCE, dtype, (f"-DHEAD_DIM={head_dim}",), f"d{head_dim}")
+
+
+def build_library(
+    source: Path, dtype: torch.dtype, defines: tuple[str, ...] = (), tag: str = ""
+) -> Path | None:
+    """Compile (or find) the library of `source` (a file of `csrc/`, which may include
+    `elem.h`) for elements of `dtype`; None without a working compiler."""
     from nexrl.models.tiny import cache_dir
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.info("no C compiler found: decode attention stays on torch.bmm")
+        logger.info("no C compiler found: %s stays on torch", source.name)
         return None
-    flags = (*FLAGS, f"-DHEAD_DIM={head_dim}", *DTYPES[dtype], *openmp_flags())
+    flags = (*FLAGS, f"-I{source.parent}", *defines, *DTYPES[dtype], *openmp_flags())
+    texts = [source.read_text(), (source.parent / "elem.h").read_text()]
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, *flags, platform.machine(), _cpu_id()]).encode()
+        "\0".join([*texts, compiler, *flags, platform.machine(), _cpu_id()]).encode()
     ).hexdigest()[:16]
     kind = str(dtype).removeprefix("torch.") + ("_fopenmp" if "-fopenmp" in flags else "")
-    target = cache_dir() / "native" / f"decode_attention_{kind}_d{head_dim}_{key}.so"
+    name = "_".join(x for x in (source.stem, kind, tag, key) if x)
+    target = cache_dir() / "native" / f"{name}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [compiler, *flags, str(source), "-o", str(out), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            logger.warning("building %s failed, using torch.bmm:\n%s", SOURCE.name, proc.stderr)
+            logger.warning("building %s failed, using torch:\n%s", source.name, proc.stderr)
             return None
         os.replace(out, target)  # atomic: concurrent builders never see a partial file
     return target
+
+
+def runs_on_torch_openmp(path: Path, before: set[str]) -> bool:
+    """True when the library at `path`, just loaded, was built with OpenMP and mapped no
+    OpenMP runtime beside the one of `before` (torch's): its loops may then use threads."""
+    return bool(before) and _openmp_runtimes() == before and "fopenmp" in path.name
 
 
 def _openmp_runtimes() -> set[str]:
@@ -158,8 +174,7 @@ def decode_attention(
         return None
     before = _openmp_runtimes()
     fn = _bind(path)
-    # parallel only when the library runs on torch's own OpenMP runtime (no new one mapped)
-    parallel = bool(before) and _openmp_runtimes() == before and "fopenmp" in path.name
+    parallel = runs_on_torch_openmp(path, before)
     scale = head_dim**-0.5
 
     def attend(q, k_new, v_new, kc, vc, pos, rope=None) -> torch.Tensor:

@@ -35,24 +35,7 @@
 #error "compile with -DHEAD_DIM=<head size>"
 #endif
 
-#ifdef BF16
-typedef uint16_t elem;
-static inline float load(elem x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-static inline elem store(float f) { /* round to nearest even; inputs are finite */
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  return (elem)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-#else
-typedef float elem;
-static inline float load(elem x) { return x; }
-static inline elem store(float f) { return f; }
-#endif
+#include "elem.h"
 
 static inline float dot(const float *restrict a, const float *restrict b) {
   float acc = 0.f;

@@ -140,7 +140,7 @@ def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):
     (engine,) = client._local_engines.values()
     runner = engine.runner
     assert runner.dtype == torch.bfloat16
-    assert runner.native_attention is None and runner.linear is F.linear
+    assert runner.native_attention is None and runner.fused is None and runner.linear is F.linear
     assert engine.max_prefill_tokens == 256
     assert engine._command(torch.get_num_threads) == 1
     controller.run()
