@@ -74,7 +74,7 @@ def fused_ops(dtype: torch.dtype) -> FusedOps | None:
     path = native.build_library(SOURCE, dtype)
     if path is None:
         return None
-    before = native._openmp_runtimes()
+    before = native.openmp_runtimes()
     lib = ctypes.CDLL(str(path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i64]
@@ -87,15 +87,22 @@ def fused_ops(dtype: torch.dtype) -> FusedOps | None:
     return ops
 
 
-def reference_add_rms_norm(x, delta, w, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path: (x + delta, HF's RMSNorm of it), rounding as the HF modules do."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, scale in the model dtype (one fused op in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def torch_add_rms_norm(x, delta, w, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of `add_rms_norm`: (x + delta, RMSNorm of it); x is not modified."""
     if delta is not None:
         x = x + delta
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return x, w * normed
+    return x, rms_norm(x, w, eps)
 
 
-def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The torch path of `silu_mul`."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -104,7 +111,7 @@ def _self_check(ops: FusedOps, dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     x, delta = (torch.randn(5, 48, generator=gen).to(dtype) for _ in range(2))
     w = torch.rand(48, generator=gen).to(dtype) + 0.5
-    want_x, want = reference_add_rms_norm(x, delta, w, 1e-6)
+    want_x, want = torch_add_rms_norm(x, delta, w, 1e-6)
     got_x = x.clone()
     got = ops.add_rms_norm(got_x, delta, w, 1e-6)
     gate_up = torch.randn(5, 96, generator=gen).to(dtype) * 3
@@ -114,6 +121,6 @@ def _self_check(ops: FusedOps, dtype: torch.dtype) -> bool:
         for a, b in (
             (got_x, want_x),
             (got, want),
-            (ops.silu_mul(gate_up), reference_silu_mul(gate_up)),
+            (ops.silu_mul(gate_up), torch_silu_mul(gate_up)),
         )
     )

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 import nexrl.inference.native as native
-from nexrl.inference.fused import fused_ops
+from nexrl.inference.fused import fused_ops, torch_add_rms_norm, torch_silu_mul
+from nexrl.inference.fused import rms_norm as _rms
 from nexrl.inference.kernels import linear_for, weight_packer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -188,13 +189,6 @@ def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor])
         down_w=pack(mlp.down_proj.weight),
         down_b=mlp.down_proj.bias,
     )
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, scale in the model dtype (one fused op in fp32)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -367,15 +361,12 @@ class ModelRunner:
         norm. With the fused C ops x is updated in place (the forward owns it)."""
         if self.fused is not None:
             return x, self.fused.add_rms_norm(x, delta, w, self.eps)
-        if delta is not None:
-            x = x + delta
-        return x, _rms(x, w, self.eps)
+        return torch_add_rms_norm(x, delta, w, self.eps)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return torch_silu_mul(gate_up)
 
     def _native_step(self, layer: _Layer, h, kc, vc, pos) -> torch.Tensor:
         """q/k/v projection, then RoPE, cache append and attention in one native call."""

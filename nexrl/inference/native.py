@@ -111,10 +111,10 @@ def build_library(
 def runs_on_torch_openmp(path: Path, before: set[str]) -> bool:
     """True when the library at `path`, just loaded, was built with OpenMP and mapped no
     OpenMP runtime beside the one of `before` (torch's): its loops may then use threads."""
-    return bool(before) and _openmp_runtimes() == before and "fopenmp" in path.name
+    return bool(before) and openmp_runtimes() == before and "fopenmp" in path.name
 
 
-def _openmp_runtimes() -> set[str]:
+def openmp_runtimes() -> set[str]:
     """Paths of the OpenMP runtimes (libgomp) mapped into this process."""
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
@@ -129,7 +129,7 @@ def openmp_flags() -> tuple[str, ...]:
     Elsewhere the kernel is built single-threaded: a second OpenMP runtime would hold a
     second team of threads on the same cores."""
     openmp = "OpenMP" in torch.__config__.parallel_info()
-    return ("-fopenmp",) if openmp and len(_openmp_runtimes()) == 1 else ()
+    return ("-fopenmp",) if openmp and len(openmp_runtimes()) == 1 else ()
 
 
 def _bind(path: Path) -> Callable[..., None]:
@@ -172,7 +172,7 @@ def decode_attention(
     path = _build(head_dim, dtype)
     if path is None:
         return None
-    before = _openmp_runtimes()
+    before = openmp_runtimes()
     fn = _bind(path)
     parallel = runs_on_torch_openmp(path, before)
     scale = head_dim**-0.5

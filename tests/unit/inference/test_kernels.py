@@ -88,10 +88,10 @@ def test_native_attention_splits_its_blocks_over_torch_threads(threads):
     """Where torch runs on libgomp the kernel is built with OpenMP on the same runtime (no
     second one is mapped) and splits its (row, kv head) blocks over the caller's torch
     threads, each with its own scratch; any thread count gives the reference result."""
-    before = native._openmp_runtimes()
+    before = native.openmp_runtimes()
     attend = native.decode_attention(16, 24, torch.float32)
     assert attend is not None
-    assert native._openmp_runtimes() == before
+    assert native.openmp_runtimes() == before
     if "OpenMP" in torch.__config__.parallel_info() and len(before) == 1:
         assert native.openmp_flags() == ("-fopenmp",)
     gen = torch.Generator().manual_seed(threads)
