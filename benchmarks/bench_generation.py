@@ -51,9 +51,19 @@ from nexrl.models.sources import resolve_model
 from nexrl.models.tiny import CHARS, build_tiny_qwen2, default_model_path
 
 
-def prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+def prompts(tokenizer, count: int, seed: int = 0, chat: bool = False) -> list[list[int]]:
+    """`count` random strings of 16-32 characters as token ids; `chat`: each one the user
+    message of a chat, through the tokenizer's chat template (SmolLM2's adds its default
+    system prompt, so the chats share their first 25 tokens)."""
     rng = random.Random(seed)
     texts = ["".join(rng.choices(CHARS, k=rng.randint(16, 32))) for _ in range(count)]
+    if chat:
+        return [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True
+            )
+            for t in texts
+        ]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
@@ -114,15 +124,19 @@ def on_thread(threads: int, fn, *args):
     return box["out"]
 
 
-def engine_alone(model, tok, threads: int, size: int, max_len: int, batch, max_tokens, n):
+def engine_alone(
+    model, tok, threads: int, size: int, max_len: int, batch, max_tokens, n, prefix_gib=0.25
+):
     """Tokens/s of an engine over `model` that lives for this measurement only (its thread,
-    with `threads` torch threads, is the only OpenMP team while it runs)."""
+    with `threads` torch threads, is the only OpenMP team while it runs). The prefix
+    cache starts empty (`prefix_gib`: its budget, 0 turns it off)."""
     engine = Engine(
         model_and_tokenizer=(model, tok), max_batch_size=size, max_model_len=max_len,
-        threads=threads,
+        threads=threads, prefix_cache_gib=prefix_gib,
     )  # fmt: skip
     try:
         engine_tokens_per_s(engine, prompts(tok, 4, 99), 4, 1)  # warm-up
+        engine.reset_prefix_cache()
         return engine_tokens_per_s(engine, batch, max_tokens, n)
     finally:
         engine.shutdown()
@@ -138,10 +152,12 @@ def compare(
     waves: int | None = None,
     dtype: str = "float32",
     threads: int = 1,
+    chat: bool = False,
 ) -> None:
     """Rows of HF generate vs the engine, both in `dtype`, each measured alone with
     `threads` torch threads; for a dtype other than fp32 the row also holds `hf_fp32`
-    (HF generate in fp32) and `speedup_vs_hf_fp32`."""
+    (HF generate in fp32) and `speedup_vs_hf_fp32`. `chat`: chat-template prompts, and
+    the row also holds the engine without its prefix cache (`engine_no_prefix`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -151,18 +167,23 @@ def compare(
         fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     size, max_len = max(concurrencies), 64 + max_tokens
     for c in concurrencies:
-        batch = prompts(tok, c, seed=c)
+        batch = prompts(tok, c, seed=c, chat=chat)
         n = waves or (3 if c <= 64 else 1)  # >= ~0.25 s per engine measurement
-        hf = ours = hf32 = 0.0
+        hf = ours = hf32 = plain = 0.0
+        engine_args = (model, tok, threads, size, max_len, batch, max_tokens, n)
         for _ in range(repeats):  # interleaved, best of `repeats`: the CPU is shared
             hf = max(hf, on_thread(threads, hf_tokens_per_s, model, tok, batch, max_tokens, n))
-            ours = max(ours, engine_alone(model, tok, threads, size, max_len, batch, max_tokens, n))
+            ours = max(ours, engine_alone(*engine_args))
             if fp32 is not None:
                 args = (fp32, tok, batch, max_tokens, n)
                 hf32 = max(hf32, on_thread(threads, hf_tokens_per_s, *args))
+            if chat:
+                plain = max(plain, engine_alone(*engine_args, prefix_gib=0))
         row = dict(model=label, concurrency=c, hf=hf, engine=ours, speedup=ours / hf)
         if fp32 is not None:
             row.update(hf_fp32=hf32, speedup_vs_hf_fp32=ours / hf32)
+        if chat:
+            row.update(engine_no_prefix=plain, speedup_no_prefix=plain / hf)
         rows.append(row)
         extra = f"   hf fp32 {hf32:7.0f} tok/s   x{ours / hf32:5.2f}" if fp32 else ""
         print(
@@ -300,11 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="with --smollm2"
     )
+    ap.add_argument(
+        "--chat", action="store_true", help="with --smollm2: chat-template prompts, the "
+        "engine with and without its prefix cache",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.smollm2:
         model = resolve_model(args.model_path)
         repeats = args.repeats or 1
-        return smollm2(model, args.threads, Path(args.out), repeats, args.smoke, args.dtype)
+        out = Path(args.out)
+        return smollm2(model, args.threads, out, repeats, args.smoke, args.dtype, args.chat)
     if args.smoke:
         return smoke(args.threads)
     torch.set_num_threads(1)  # each side computes on its own thread (`on_thread`)
@@ -350,18 +376,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def smollm2(
-    model: Path, threads: int, out: Path, repeats: int, smoke: bool = False, dtype="float32"
+    model: Path,
+    threads: int,
+    out: Path,
+    repeats: int,
+    smoke: bool = False,
+    dtype="float32",
+    chat: bool = False,
 ) -> int:
     """Engine vs HF generate on the real 135M chat model (one wave of 32 tokens per cell:
     HF needs about half a minute per wave at c=64 on 2 cores); smoke: c=2, 4 tokens."""
     torch.set_num_threads(1)  # each side computes on its own thread (`on_thread`)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     rows: list[dict] = []
+    opts = dict(dtype=dtype, threads=threads, chat=chat)
     if smoke:
-        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1, dtype=dtype, threads=threads)
+        compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1, **opts)
         print(f"smoke: smollm2_speedup_vs_hf_at_2: {rows[-1]['speedup']:.2f}")
         return 0
-    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, 1, dtype, threads)
+    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, 1, **opts)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     fp32_cols = dtype != "float32"
     head = "| concurrency | HF generate tok/s | engine tok/s | speedup |"
@@ -369,13 +402,19 @@ def smollm2(
     if fp32_cols:
         head += " HF generate fp32 tok/s | engine vs HF fp32 |"
         rule += "---|---|"
+    if chat:
+        head += " engine, no prefix cache, tok/s | its speedup |"
+        rule += "---|---|"
 
     def cells(r: dict) -> str:
         line = f"| {r['concurrency']} | {r['hf']:.0f} | {r['engine']:.0f} | {r['speedup']:.2f} |"
         if fp32_cols:
             line += f" {r['hf_fp32']:.0f} | {r['speedup_vs_hf_fp32']:.2f} |"
+        if chat:
+            line += f" {r['engine_no_prefix']:.0f} | {r['speedup_no_prefix']:.2f} |"
         return line
 
+    prompt_kind = "chat-template prompts (one system prompt), " if chat else ""
     lines = [
         f"# Generation: SmolLM2-135M-Instruct ({short}), engine vs HF generate",
         "",
@@ -386,7 +425,7 @@ def smollm2(
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + "  ",
         f"torch threads: {threads}, each side measured alone on its own thread (one OpenMP "
-        f"team in the process), 32 new tokens, one wave, best of {repeats}",
+        f"team in the process), {prompt_kind}32 new tokens, one wave, best of {repeats}",
         "",
         head,
         rule,
@@ -394,7 +433,8 @@ def smollm2(
         "",
     ]
     out.mkdir(parents=True, exist_ok=True)
-    name = "generation_smollm2.md" if dtype == "float32" else f"generation_smollm2_{short}.md"
+    name = "generation_smollm2" + ("" if dtype == "float32" else f"_{short}")
+    name += "_chat.md" if chat else ".md"
     (out / name).write_text("\n".join(lines))
     print(f"smollm2_speedup_vs_hf_at_64: {rows[-1]['speedup']:.2f}")
     return 0

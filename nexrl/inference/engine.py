@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from nexrl.inference.model_runner import ModelRunner, is_supported, plan_kv_cache
+from nexrl.inference.prefix_cache import PrefixCache
 from nexrl.inference.protocol import (
+    GenerationOutput,
     GenerationRequest,
     GenerationResponse,
     InferenceEngine,
@@ -83,6 +85,7 @@ class Engine:
         gather_quiet_s: float = 0.002,
         gather_max_s: float = 0.02,
         threads: int | None = None,
+        prefix_cache_gib: float = 0.25,
     ) -> None:
         if threads is not None and int(threads) < 1:
             raise ValueError(f"engine option threads must be >= 1, got {threads}")
@@ -114,6 +117,7 @@ class Engine:
         self.runner = ModelRunner(
             model, max_batch_size, self.max_model_len, matmul, native_attention
         )
+        self.prefix = PrefixCache.for_runner(self.runner, prefix_cache_gib)
         self.batch = RunningBatch(max_batch_size, self.max_model_len, device)
         eos = model.generation_config.eos_token_id
         self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
@@ -126,6 +130,7 @@ class Engine:
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiting: deque[Pending] = deque()
         self.stats = {"requests": 0, "generated_tokens": 0, "steps": 0, "running": 0, "waiting": 0}
+        self.stats.update(prompt_tokens=0, prefix_hit_tokens=0)  # hits: read from the prefix cache
         self._thread = threading.Thread(target=self._loop, name="nexrl-engine", daemon=True)
         self._thread.start()
 
@@ -178,9 +183,16 @@ class Engine:
         def apply() -> None:
             load_weights_into(self.model, state)
             self.runner.refresh()
+            if self.prefix is not None:  # its KV came from the old weights
+                self.prefix.clear()
             self._version = meta.version
 
         self._command(apply)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt KV (no-op without a prefix cache)."""
+        if self.prefix is not None:
+            self._command(self.prefix.clear)
 
     def pause(self) -> None:
         """Return once no step runs; running requests keep their state (and KV cache)."""
@@ -271,9 +283,9 @@ class Engine:
         except Exception as exc:  # fail every caller instead of hanging them, then go on
             logger.exception("engine step failed")
             for pending in {id(r.pending): r.pending for r in self.batch.rows}.values():
-                _fail(pending, exc)
+                pending.fail(exc)
             for pending in self._waiting:
-                _fail(pending, exc)
+                pending.fail(exc)
             self._waiting.clear()
             self.batch.compact(list(range(len(self.batch))))
 
@@ -320,7 +332,7 @@ class Engine:
     def _admit(self) -> bool:
         """Prefill waiting requests that fit (slots and prefill token budget); True if any."""
         chosen: list[Pending] = []
-        slots, longest = self.batch.free, 0
+        slots, longest = self.batch.free, 0  # longest: the padded width of the prefill
         while self._waiting:
             p = self._waiting[0]
             n, plen = p.request.sampling.n, len(p.request.input_ids)
@@ -329,45 +341,78 @@ class Engine:
                 break
             self._waiting.popleft()
             if p.request.sampling.max_new_tokens == 0:
-                _resolve_empty(p)
+                p.resolve_empty()
                 continue
             chosen.append(p)
             slots, longest = slots - n, width
         if chosen:
-            self._prefill(chosen, longest)
+            self._prefill(chosen)
         return bool(chosen)
 
-    def _prefill(self, chosen: list[Pending], width: int) -> None:
-        tokens = torch.zeros(len(chosen), width, dtype=torch.long)
-        for i, p in enumerate(chosen):
-            tokens[i, : len(p.request.input_ids)] = torch.tensor(p.request.input_ids)
-        lengths = torch.tensor([len(p.request.input_ids) for p in chosen])
-        rows, src, plens = [], [], []
+    def _prefill(self, chosen: list[Pending]) -> None:
+        """Prefill `chosen`: prompts that share a prefix nobody has cached go in two
+        waves, one prompt per shared prefix first (see `prefix_cache.split_waves`)."""
+        waves = [list(range(len(chosen)))]
+        if self.prefix is not None:
+            waves = self.prefix.split_waves([p.request.input_ids for p in chosen])
+        for wave in waves:
+            if wave:
+                self._prefill_wave([chosen[i] for i in wave])
+        self.stats["requests"] += len(chosen)
+
+    def _prefill_wave(self, chosen: list[Pending]) -> None:
+        prompts = [p.request.input_ids for p in chosen]
+        cached = [self.prefix.match(ids) if self.prefix else [] for ids in prompts]
+        start = torch.tensor([len(c) for c in cached])
+        self.stats["prompt_tokens"] += sum(map(len, prompts))
+        self.stats["prefix_hit_tokens"] += int(start.sum())
+        lengths = torch.tensor([len(ids) for ids in prompts]) - start
+        tokens = torch.zeros(len(chosen), int(lengths.max()), dtype=torch.long)
+        for i, (ids, c) in enumerate(zip(prompts, cached, strict=True)):
+            tokens[i, : len(ids) - len(c)] = torch.tensor(ids[len(c) :])
+        rows, src = [], []
         for i, p in enumerate(chosen):
             for k in range(p.request.sampling.n):
                 rows.append(Row(p, k, sample_generator(p.request.sampling.seed, k)))
                 src.append(i)
-                plens.append(len(p.request.input_ids))
-        start = len(self.batch)
-        dst = torch.arange(start, start + len(rows))
-        logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst)  # (R, V)
-        idx = self.batch.add_rows(rows, plens)
+        first = len(self.batch)
+        dst = torch.arange(first, first + len(rows))
+        if self.prefix is not None:
+            self.prefix.load(self.runner, [(first + j, cached[i]) for j, i in enumerate(src)])
+        logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst, start)  # (R, V)
+        if self.prefix is not None:  # row of the first sample of each prompt
+            rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
+            self.prefix.insert(self.runner, [(ids, rep[i]) for i, ids in enumerate(prompts)])
+        idx = self.batch.add_rows(rows, [len(prompts[i]) for i in src])
         self._sample_and_record(
             idx, logits.index_select(0, torch.tensor(src, device=logits.device))
         )
-        self.stats["requests"] += len(chosen)
 
     def _finish(self) -> None:
         finished = self.batch.finished_rows()
         if not finished:
             return
-        for row, output in self.batch.take_outputs(finished, self.tokenizer):
+        taken = self.batch.take_outputs(finished, self.tokenizer)
+        if self.prefix is not None:
+            self._cache_samples(finished, taken)
+        for row, output in taken:
             row.pending.finish_sample(row.index, output)
             if row.pending.left == 0:
-                _resolve(row.pending)
+                row.pending.resolve()
         src, dst = self.batch.compact(finished)
         if dst.numel():  # cache positions past the movers' own are never read: not copied
             self.runner.move_rows(src, dst, int(self.batch.pos[dst].max()) + 1)
+
+    def _cache_samples(self, rows: list[int], taken: list[tuple[Row, GenerationOutput]]) -> None:
+        """Put finished samples in the prefix cache: their KV (the prompt and all but the
+        last sampled token) serves a next turn that quotes them. Samples with a token of
+        older weights are left out (the cache holds the current weights' KV only)."""
+        items = []
+        for j, (row, out) in zip(rows, taken, strict=True):
+            versions = out.output_versions
+            if versions and all(v == self._version for v in versions):
+                items.append((row.pending.request.input_ids + out.output_ids[:-1], j))
+        self.prefix.insert(self.runner, items)
 
     def _abort(self, rid: str | None) -> None:
         self._waiting.extend(self._inbox)
@@ -378,7 +423,7 @@ class Engine:
         keep: deque[Pending] = deque()
         for p in self._waiting:
             if rid is None or p.request.rid == rid:
-                _resolve_empty(p, "abort")
+                p.resolve_empty("abort")
             else:
                 keep.append(p)
         self._waiting = keep
@@ -400,24 +445,6 @@ def _run_into(fn: Callable[[], Any], future: Future) -> None:
         future.set_result(fn())
     except Exception as exc:  # the caller re-raises it from future.result()
         future.set_exception(exc)
-
-
-def _resolve(p: Pending) -> None:
-    if not p.future.done():
-        req = p.request
-        p.future.set_result(GenerationResponse(list(req.input_ids), list(p.outputs), req.rid))
-
-
-def _resolve_empty(p: Pending, reason: str = "length") -> None:
-    from nexrl.inference.protocol import GenerationOutput
-
-    p.outputs = [GenerationOutput([], [], [], reason) for _ in range(p.request.sampling.n)]
-    _resolve(p)
-
-
-def _fail(p: Pending, exc: BaseException) -> None:
-    if not p.future.done():
-        p.future.set_exception(exc)
 
 
 def build_engine(model_path: str | Path | None = None, **options: Any) -> InferenceEngine:

@@ -27,6 +27,7 @@ ENGINE_OPTIONS = (
     "gather_quiet_s",
     "gather_max_s",
     "threads",
+    "prefix_cache_gib",
 )
 
 ROUTING_OPTIONS = ("replica_actors",)  # Ray mode: the engine lives in named replica actors

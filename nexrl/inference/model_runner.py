@@ -137,22 +137,27 @@ class _Plan:
     cache_to: torch.Tensor  # (M * kv,) ... into this row of the flat (slots*kv*len, D) cache
 
     @staticmethod
-    def build(lengths, src, dst, width: int, n_kv: int, max_len: int) -> _Plan:
+    def build(lengths, src, dst, width: int, n_kv: int, max_len: int, start=None) -> _Plan:
+        """`start` (R,): positions already in the cache rows of each prompt (a cached
+        prefix); the R prompts' `lengths` tokens then go to positions `start + i`."""
+
         def ragged_arange(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """(which segment, index within it) of every element of segments `counts`."""
             seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
             starts = torch.cumsum(counts, 0) - counts
             return seg, torch.arange(int(counts.sum())) - starts[seg]
 
+        start = torch.zeros_like(lengths) if start is None else start
         offsets = torch.cumsum(lengths, 0) - lengths  # packed start of each prompt
         row, pos = ragged_arange(lengths)
         j, cache_pos = ragged_arange(lengths[src])  # every (cache row, position) to fill
         token = offsets[src][j] + cache_pos
+        cache_pos = cache_pos + start[src][j]
         heads = torch.arange(n_kv)
         return _Plan(
             lengths=lengths,
             grid=row * width + pos,
-            pos=pos,
+            pos=pos + start[row],
             last=offsets + lengths - 1,
             cache_from=(token[:, None] * n_kv + heads).flatten(),
             cache_to=((dst[j][:, None] * n_kv + heads) * max_len + cache_pos[:, None]).flatten(),
@@ -170,6 +175,35 @@ class _Plan:
         """(R, 1, 1, P) True on each prompt's real positions."""
         keys = torch.arange(p, device=self.lengths.device)
         return (keys[None] < self.lengths[:, None]).view(r, 1, 1, p)
+
+
+@dataclass
+class _Cached:
+    """Attention of a prefill whose prompts continue a cached prefix: keys and values
+    are read from one cache row of each prompt, over positions [0, span)."""
+
+    rows: torch.Tensor  # (R,) a cache row of each prompt
+    span: int
+    causal: torch.Tensor  # (R, 1, P, span): query i of prompt r sees keys <= start[r] + i
+    key_mask: torch.Tensor  # (R, 1, 1, span): the prompt's positions
+
+    @staticmethod
+    def of(start, lengths, src, dst, width: int, device: torch.device) -> _Cached:
+        rows = torch.empty_like(start)
+        rows[src] = dst  # a row of each prompt (all of them hold the same positions)
+        total = start + lengths
+        span = int(total.max())
+        keys = torch.arange(span)
+        query_pos = start[:, None] + torch.arange(width)  # (R, P)
+        return _Cached(
+            rows=rows.to(device),
+            span=span,
+            causal=(keys <= query_pos[:, :, None])[:, None].to(device),
+            key_mask=(keys < total[:, None])[:, None, None].to(device),
+        )
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache[self.rows, :, : self.span]  # (R, kv, span, D)
 
 
 def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor]) -> _Layer:
@@ -277,19 +311,29 @@ class ModelRunner:
     # -- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run prompts and fill the cache; returns last-position logits (R, V) float.
 
         tokens (R, P) right-padded prompts, lengths (R,); prompt `src[i]` is copied into
-        cache row `dst[i]` (a prompt with n samples appears n times in `src`).
+        cache row `dst[i]` (a prompt with n samples appears n times in `src`). With
+        `start` (R,), every cache row of prompt i already holds its first `start[i]`
+        positions (a cached prefix) and `tokens` are the rest of the prompt.
 
         The linears run on the T real tokens only (no padding); only attention sees the
         padded (R, P) grid. The last layer needs its output at each prompt's last token
         only, so its attention, o-projection and MLP run on R rows.
         """
         r, p = tokens.shape
-        plan = _Plan.build(lengths, src, dst, p, self.n_kv, self.max_len).to(self.device)
+        plan = _Plan.build(lengths, src, dst, p, self.n_kv, self.max_len, start).to(self.device)
+        cached = None
+        if start is not None and bool(start.any()):
+            cached = _Cached.of(start, lengths, src, dst, p, self.device)
         tokens = tokens.to(self.device)
         cos, sin = self.cos[plan.pos][:, None], self.sin[plan.pos][:, None]  # (T, 1, D)
         x = F.embedding(tokens.reshape(-1)[plan.grid], self.embed)  # (T, H)
@@ -298,16 +342,26 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             q, k, v = self._decode_qkv(layer, h, cos, sin)
             self._write_prompt_kv(i, plan, k, v)
-            kp, vp = plan.pad(k, r, p), plan.pad(v, r, p)  # (R, kv, P, D)
+            if cached is None:
+                kp, vp = plan.pad(k, r, p), plan.pad(v, r, p)  # (R, kv, P, D)
+                causal, keys = None, plan.key_mask(r, p)
+            else:  # the prefix is in the cache: keys and values come from there
+                kp, vp = cached.keys(self.k_cache[i]), cached.keys(self.v_cache[i])
+                causal, keys = cached.causal, cached.key_mask
             if i < last_layer:
                 att = F.scaled_dot_product_attention(
-                    plan.pad(q, r, p), kp, vp, is_causal=True, enable_gqa=True
+                    plan.pad(q, r, p),
+                    kp,
+                    vp,
+                    attn_mask=causal,
+                    is_causal=causal is None,
+                    enable_gqa=True,
                 )  # (R, heads, P, D)
                 att = att.transpose(1, 2).reshape(r * p, -1).index_select(0, plan.grid)
             else:
                 q_last = q.index_select(0, plan.last)[:, :, None]  # (R, heads, 1, D)
                 att = F.scaled_dot_product_attention(
-                    q_last, kp, vp, attn_mask=plan.key_mask(r, p), enable_gqa=True
+                    q_last, kp, vp, attn_mask=keys, enable_gqa=True
                 ).reshape(r, -1)
                 x = x.index_select(0, plan.last)
             x, h = self._mlp(i, x, self.linear(att, layer.o_w, layer.o_b))

@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nexrl.inference.protocol import GenerationOutput, GenerationRequest, TokenCallback
+from nexrl.inference.protocol import (
+    GenerationOutput,
+    GenerationRequest,
+    GenerationResponse,
+    TokenCallback,
+)
 from nexrl.inference.sampler import StopChecker, decode_all, make_output
 
 
@@ -40,6 +45,25 @@ class Pending:
     def finish_sample(self, index: int, output: GenerationOutput) -> None:
         self.outputs[index] = output
         self.left -= 1
+
+    def resolve(self) -> None:
+        """Hand the caller its response (once)."""
+        if not self.future.done():
+            req = self.request
+            self.future.set_result(
+                GenerationResponse(list(req.input_ids), list(self.outputs), req.rid)
+            )
+
+    def resolve_empty(self, reason: str = "length") -> None:
+        """Resolve with n empty samples (max_new_tokens 0, or aborted while waiting)."""
+        self.outputs = [
+            GenerationOutput([], [], [], reason) for _ in range(self.request.sampling.n)
+        ]
+        self.resolve()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
 
 
 @dataclass

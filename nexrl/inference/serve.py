@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        default=0.25,
+        help="memory for cached prompt KV reused across requests (builtin backend; 0: off)",
+    )
+    p.add_argument(
         "--emulated-step-latency",
         type=float,
         default=0.0,
@@ -122,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.emulated_step_latency:
         options["emulated_step_latency_s"] = args.emulated_step_latency
+    if args.backend == "builtin":
+        options["prefix_cache_gib"] = args.prefix_cache_gib
     if args.backend == "builtin" and not args.in_process:
         from nexrl.inference.process_engine import ProcessEngine
 

@@ -96,6 +96,10 @@ class _Metrics:
         self.occupancy = Gauge("nexrl_batch_occupancy", "Running rows / max batch size", registry=r)
         self.queue = Gauge("nexrl_queue_length", "Requests waiting for a slot", registry=r)
         self.version = Gauge("nexrl_weight_version", "Current weight version", registry=r)
+        self.prompt_tokens = Gauge("nexrl_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.prefix_hits = Gauge(
+            "nexrl_prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache", registry=r
+        )
         self.tool_calls = Counter("nexrl_tool_calls", "Tool calls parsed from replies", registry=r)
         self.tool_parse_failures = Counter(
             "nexrl_tool_call_parse_failures", "Malformed or truncated tool calls", registry=r
@@ -120,6 +124,8 @@ class _Metrics:
         max_batch = getattr(self.engine, "max_batch_size", 1) or 1
         self.occupancy.set(stats.get("running", 0) / max_batch)
         self.queue.set(stats.get("waiting", 0))
+        self.prompt_tokens.set(stats.get("prompt_tokens", 0))
+        self.prefix_hits.set(stats.get("prefix_hit_tokens", 0))
         self.version.set(self.engine.version)
         return generate_latest(self.registry)
 

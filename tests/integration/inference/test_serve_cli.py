@@ -45,6 +45,8 @@ def test_serve_subprocess(tiny_path):
         "8",
         "--threads",
         "1",
+        "--prefix-cache-gib",
+        "0.05",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -66,6 +68,13 @@ def test_serve_subprocess(tiny_path):
         client = LLMServiceClient({"backend": "remote", "url": url, "api_key": "k"})
         res = client.completion(prompt_ids=[5, 6, 7], max_tokens=3)
         assert res["prompt_ids"] == [5, 6, 7] and res["model_version"] == 0
+        turn = [{"role": "user", "content": "a question for a second time"}]
+        for _ in range(2):  # the second one reads the first one's prompt from the cache
+            sdk.chat.completions.create(model="default", messages=turn, max_tokens=2)
+        health = httpx.get(url + "/health", headers={"Authorization": "Bearer k"}).json()
+        assert health["prefix_hit_tokens"] >= 10 and health["prompt_tokens"] > 20
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"}).text
+        assert f"nexrl_prefix_cache_hit_tokens {float(health['prefix_hit_tokens'])}" in metrics
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -1,0 +1,225 @@
+"""Automatic prefix caching: prompt KV kept across requests and found by its tokens.
+
+Prompts that start with the same tokens (a chat template's system prompt, the earlier
+turns of a multi-turn conversation, a task's shared instructions) have the same keys
+and values at those positions. The engine keeps the KV of the prompts it prefilled in
+a token trie; an admitted prompt's longest cached prefix is copied into its cache rows
+and only the rest of it runs through the model.
+
+Store: per layer one K and one V tensor of `capacity` token slots, `(capacity, kv,
+head_dim)`, allocated empty (pages are touched as slots fill). Trie: one node per
+cached token, holding its slot. Eviction takes least-recently-used leaves, so the whole
+prefix of a cached token is always cached too. The KV depends on the weights: a
+weight update clears the cache.
+
+Prompts admitted together that share a prefix none of them has cached (64 chats with
+one system prompt) are split into two prefill waves by `split_waves`: one prompt per
+shared prefix first, then the others, which find it cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+
+MAX_CACHED_TOKENS = 65536
+"""Upper bound of the trie's size whatever the budget: one Python node per token."""
+
+MIN_SHARED_TOKENS = 16
+"""Tokens a prompt must share with another of its wave (beyond what is cached) for the
+wave to be split in two (a second prefill forward has a fixed cost)."""
+
+
+class _Node:
+    __slots__ = ("children", "parent", "slot", "token", "used")
+
+    def __init__(self, parent: _Node | None, token: int, slot: int, used: int) -> None:
+        self.children: dict[int, _Node] = {}
+        self.parent, self.token, self.slot, self.used = parent, token, slot, used
+
+
+class PrefixCache:
+    """KV of cached prompt tokens in a token trie; used by one engine thread only."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"prefix cache capacity must be >= 1 token, got {capacity}")
+        shape = (capacity, n_kv, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.capacity, self.n_kv = capacity, n_kv
+        self.stats = {"prompt_tokens": 0, "hit_tokens": 0, "cached_tokens": 0, "evicted_tokens": 0}
+        self.clear()
+
+    @classmethod
+    def for_runner(cls, runner, gib: float) -> PrefixCache | None:
+        """A cache of `gib` GiB beside `runner`'s KV cache (at most `MAX_CACHED_TOKENS`
+        tokens); None when `gib` is 0."""
+        gib = float(gib)
+        if gib < 0:
+            raise ValueError(f"engine option prefix_cache_gib must be >= 0, got {gib}")
+        if gib == 0:
+            return None
+        k = runner.k_cache[0]
+        per_token = 2 * len(runner.k_cache) * runner.n_kv * runner.head_dim * k.element_size()
+        capacity = min(int(gib * 2**30) // per_token, MAX_CACHED_TOKENS)
+        if capacity < 1:
+            raise ValueError(
+                f"prefix_cache_gib={gib} holds no token ({per_token} bytes per token): raise it "
+                "or set 0 to turn the prefix cache off"
+            )
+        return cls(len(runner.k_cache), runner.n_kv, runner.head_dim, capacity, k.dtype, k.device)
+
+    def clear(self) -> None:
+        """Forget every cached token (after a weight update)."""
+        self.root = _Node(None, -1, -1, 0)
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._clock = 0
+        self.stats["cached_tokens"] = 0
+
+    # -- lookup -----------------------------------------------------------------------------
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` are cached (at most all but the last)."""
+        node, n = self.root, 0
+        for t in tokens[: len(tokens) - 1]:
+            node = node.children.get(t)
+            if node is None:
+                break
+            n += 1
+        return n
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Slots of the longest cached prefix of `tokens`, leaving at least the last token
+        to compute (its logits sample the first output token); marks them used."""
+        self._clock += 1
+        node, slots = self.root, []
+        for t in tokens[: len(tokens) - 1]:
+            node = node.children.get(t)
+            if node is None:
+                break
+            node.used = self._clock
+            slots.append(node.slot)
+        self.stats["prompt_tokens"] += len(tokens)
+        self.stats["hit_tokens"] += len(slots)
+        return slots
+
+    def split_waves(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """(leaders, others): indices of `prompts` to prefill first, one per prefix that
+        several of them share (at least `MIN_SHARED_TOKENS` past what is cached), and the
+        rest. No leaders when nothing is shared."""
+        order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
+        leaders: list[int] = []
+        followers: set[int] = set()
+        for a, b in zip(order, order[1:], strict=False):
+            pa, pb = prompts[a], prompts[b]
+            shared = _common_prefix(pa, pb, min(len(pa), len(pb)) - 1)
+            if shared - self.cached_length(pa) >= MIN_SHARED_TOKENS:
+                if a not in followers:
+                    leaders.append(a)
+                followers.add(b)
+        first = sorted(leaders)
+        return first, [i for i in range(len(prompts)) if i not in set(first)]
+
+    # -- moving KV between the store and the engine's cache rows ----------------------------
+    def load(self, runner, targets: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Copy cached slots into the runner's cache: each (row, slots) fills positions
+        [0, len(slots)) of cache row `row`."""
+        rows = [(row, pos, s) for row, slots in targets for pos, s in enumerate(slots)]
+        if not rows:
+            return
+        row, pos, slot = (torch.tensor(c) for c in zip(*rows, strict=True))
+        cache_idx, store_idx = self._indices(runner, row, pos, slot)
+        d = runner.head_dim
+        for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
+            cache.view(-1, d).index_copy_(
+                0, cache_idx, store.view(-1, d).index_select(0, store_idx)
+            )
+
+    def insert(self, runner, items: Sequence[tuple[Sequence[int], int]]) -> None:
+        """Cache prompts whose KV the runner's cache holds: each (tokens, row) has
+        positions [0, len(tokens)) of cache row `row`. Tokens already cached are skipped;
+        when the store is full, least-recently-used leaves make room."""
+        self._clock += 1
+        new: list[tuple[int, int, int]] = []  # (row, position, slot)
+        for tokens, row in items:
+            node = self.root
+            for pos, t in enumerate(tokens):
+                child = node.children.get(t)
+                if child is None:
+                    slot = self._allocate()
+                    if slot is None:
+                        break
+                    child = node.children[t] = _Node(node, t, slot, self._clock)
+                    new.append((row, pos, slot))
+                child.used = self._clock
+                node = child
+        if not new:
+            return
+        self.stats["cached_tokens"] += len(new)
+        row, pos, slot = (torch.tensor(c) for c in zip(*new, strict=True))
+        cache_idx, store_idx = self._indices(runner, row, pos, slot)
+        d = runner.head_dim
+        for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
+            store.view(-1, d).index_copy_(
+                0, store_idx, cache.view(-1, d).index_select(0, cache_idx)
+            )
+
+    def _indices(self, runner, row, pos, slot) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat row indices of (row, kv head, pos) in the runner's `(slots*kv*len, D)`
+        cache view and of (slot, kv head) in the store's `(capacity*kv, D)` view."""
+        heads = torch.arange(self.n_kv)
+        cache_idx = ((row[:, None] * self.n_kv + heads) * runner.max_len + pos[:, None]).flatten()
+        store_idx = (slot[:, None] * self.n_kv + heads).flatten()
+        device = runner.k_cache[0].device
+        return cache_idx.to(device), store_idx.to(device)
+
+    # -- eviction ---------------------------------------------------------------------------
+    def _allocate(self) -> int | None:
+        """A free slot, evicting old leaves when none is left; None when every cached
+        token was used by the current insert (the rest of the prompt is not cached)."""
+        if not self._free:
+            self._evict(max(1, self.capacity // 8))
+        return self._free.pop() if self._free else None
+
+    def _evict(self, count: int) -> None:
+        """Free up to `count` slots, least recently used leaves first (a parent whose
+        last child goes becomes a leaf); never a node used by the running insert."""
+        heap = [(n.used, id(n), n) for n in self._walk() if not n.children]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < count:
+            used, _, node = heapq.heappop(heap)
+            if used >= self._clock:
+                break
+            parent = node.parent
+            del parent.children[node.token]
+            self._free.append(node.slot)
+            freed += 1
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (parent.used, id(parent), parent))
+        self.stats["evicted_tokens"] += freed
+        self.stats["cached_tokens"] -= freed
+
+    def _walk(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
