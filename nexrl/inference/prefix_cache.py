@@ -134,16 +134,8 @@ class PrefixCache:
     def load(self, runner, targets: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Copy cached slots into the runner's cache: each (row, slots) fills positions
         [0, len(slots)) of cache row `row`."""
-        rows = [(row, pos, s) for row, slots in targets for pos, s in enumerate(slots)]
-        if not rows:
-            return
-        row, pos, slot = (torch.tensor(c) for c in zip(*rows, strict=True))
-        cache_idx, store_idx = self._indices(runner, row, pos, slot)
-        d = runner.head_dim
-        for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
-            cache.view(-1, d).index_copy_(
-                0, cache_idx, store.view(-1, d).index_select(0, store_idx)
-            )
+        places = [(row, pos, s) for row, slots in targets for pos, s in enumerate(slots)]
+        self._copy(runner, places, into_store=False)
 
     def insert(self, runner, items: Sequence[tuple[Sequence[int], int]]) -> None:
         """Cache prompts whose KV the runner's cache holds: each (tokens, row) has
@@ -163,25 +155,28 @@ class PrefixCache:
                     new.append((row, pos, slot))
                 child.used = self._clock
                 node = child
-        if not new:
-            return
         self.stats["cached_tokens"] += len(new)
-        row, pos, slot = (torch.tensor(c) for c in zip(*new, strict=True))
-        cache_idx, store_idx = self._indices(runner, row, pos, slot)
-        d = runner.head_dim
-        for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
-            store.view(-1, d).index_copy_(
-                0, store_idx, cache.view(-1, d).index_select(0, cache_idx)
-            )
+        self._copy(runner, new, into_store=True)
 
-    def _indices(self, runner, row, pos, slot) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat row indices of (row, kv head, pos) in the runner's `(slots*kv*len, D)`
-        cache view and of (slot, kv head) in the store's `(capacity*kv, D)` view."""
+    def _copy(self, runner, places: list[tuple[int, int, int]], into_store: bool) -> None:
+        """Copy K and V of every layer between (cache row, position) and store slot, for
+        each (row, position, slot) of `places`: into the store, or out of it."""
+        if not places:
+            return
+        row, pos, slot = (torch.tensor(c) for c in zip(*places, strict=True))
         heads = torch.arange(self.n_kv)
+        device = runner.k_cache[0].device
+        # flat indices into the (slots*kv*max_len, D) cache view and (capacity*kv, D) store
         cache_idx = ((row[:, None] * self.n_kv + heads) * runner.max_len + pos[:, None]).flatten()
         store_idx = (slot[:, None] * self.n_kv + heads).flatten()
-        device = runner.k_cache[0].device
-        return cache_idx.to(device), store_idx.to(device)
+        cache_idx, store_idx = cache_idx.to(device), store_idx.to(device)
+        d = runner.head_dim
+        for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
+            cache, store = cache.view(-1, d), store.view(-1, d)
+            if into_store:
+                store.index_copy_(0, store_idx, cache.index_select(0, cache_idx))
+            else:
+                cache.index_copy_(0, cache_idx, store.index_select(0, store_idx))
 
     # -- eviction ---------------------------------------------------------------------------
     def _allocate(self) -> int | None:
