@@ -63,7 +63,7 @@ class PrefixCache:
         self.capacity, self.n_kv = capacity, n_kv
         self._parent, self._token = [0] * capacity, [0] * capacity
         self._children, self._used = [0] * capacity, [0] * capacity
-        self.stats = {"prompt_tokens": 0, "hit_tokens": 0, "cached_tokens": 0, "evicted_tokens": 0}
+        self.stats = {"cached_tokens": 0, "evicted_tokens": 0}  # hits: the engine counts them
         self.clear()
 
     @classmethod
@@ -105,8 +105,6 @@ class PrefixCache:
         slots = self._path(tokens)
         for slot in slots:
             self._used[slot] = self._clock
-        self.stats["prompt_tokens"] += len(tokens)
-        self.stats["hit_tokens"] += len(slots)
         return slots
 
     def _path(self, tokens: Sequence[int]) -> list[int]:

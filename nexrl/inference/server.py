@@ -24,8 +24,8 @@ import asyncio
 import hmac
 import inspect
 import json
-import time
 import uuid
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,13 +35,7 @@ import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from nexrl.inference import streaming
 from nexrl.inference.api_models import (
@@ -66,6 +60,7 @@ from nexrl.inference.protocol import (
     InferenceEngine,
     WeightUpdateMeta,
 )
+from nexrl.inference.server_metrics import ServerMetrics
 from nexrl.inference.tool_parsers import ToolCallParser, get_parser
 
 CONTROL_PATHS = frozenset(
@@ -77,57 +72,6 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
-
-
-class _Metrics:
-    """Prometheus metrics on a private registry (several apps may live in one process)."""
-
-    def __init__(self, engine: InferenceEngine) -> None:
-        self.engine = engine
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "nexrl_requests", "HTTP generation requests", ["endpoint"], registry=r
-        )
-        self.tokens = Counter("nexrl_generated_tokens", "Generated tokens", registry=r)
-        self.tps = Gauge(
-            "nexrl_tokens_per_second", "Generated tokens/s since last scrape", registry=r
-        )
-        self.occupancy = Gauge("nexrl_batch_occupancy", "Running rows / max batch size", registry=r)
-        self.queue = Gauge("nexrl_queue_length", "Requests waiting for a slot", registry=r)
-        self.version = Gauge("nexrl_weight_version", "Current weight version", registry=r)
-        self.prompt_tokens = Gauge("nexrl_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.prefix_hits = Gauge(
-            "nexrl_prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache", registry=r
-        )
-        self.tool_calls = Counter("nexrl_tool_calls", "Tool calls parsed from replies", registry=r)
-        self.tool_parse_failures = Counter(
-            "nexrl_tool_call_parse_failures", "Malformed or truncated tool calls", registry=r
-        )
-        self._last = (time.monotonic(), 0.0)
-        self._total = 0.0
-
-    def parsed(self, parsed) -> None:
-        self.tool_calls.inc(len(parsed[1]))
-        self.tool_parse_failures.inc(len(parsed[2]))
-
-    def generated(self, n: int) -> None:
-        self.tokens.inc(n)
-        self._total += n
-
-    def render(self) -> bytes:
-        stats = getattr(self.engine, "stats", {}) or {}
-        now, total = time.monotonic(), self._total
-        then, before = self._last
-        self.tps.set((total - before) / max(now - then, 1e-9))
-        self._last = (now, total)
-        max_batch = getattr(self.engine, "max_batch_size", 1) or 1
-        self.occupancy.set(stats.get("running", 0) / max_batch)
-        self.queue.set(stats.get("waiting", 0))
-        self.prompt_tokens.set(stats.get("prompt_tokens", 0))
-        self.prefix_hits.set(stats.get("prefix_hit_tokens", 0))
-        self.version.set(self.engine.version)
-        return generate_latest(self.registry)
 
 
 # FastAPI versions with built-in OpenTelemetry look up the global providers on every
@@ -185,25 +129,52 @@ def create_app(
     """
     auth = Depends(_auth(api_key, admin_key))
     app = FastAPI(title="nexrl inference", dependencies=[auth], **_NO_TELEMETRY)
-    parser = get_parser(tool_parser) if tool_parser else None
-    metrics = _Metrics(engine)
-    tokenizer = engine.tokenizer
-    vocab = len(tokenizer)  # the tokenizer computes it on every call
-    max_len = getattr(engine, "max_model_len", None)
-    names = {model_name, str(getattr(engine, "model_path", model_name))}
+    metrics = ServerMetrics(engine)
+    served = _Served(
+        engine=engine,
+        model_name=model_name,
+        parser=get_parser(tool_parser) if tool_parser else None,
+        metrics=metrics,
+        gen=_Generation(engine, metrics, model_name),
+        max_logprobs=max_logprobs,
+    )
     _install_errors(app)
+    _completion_route(app, served)
+    _chat_route(app, served)
+    _info_routes(app, engine, metrics, model_name)
+    _control_routes(app, engine, weights_dirs)
+    return app
 
-    def check_model(name: str) -> None:
-        if name not in names:
+
+@dataclass
+class _Served:
+    """What the generation routes share: the engine, its limits, metrics, tool parser."""
+
+    engine: InferenceEngine
+    model_name: str
+    parser: ToolCallParser | None
+    metrics: ServerMetrics
+    gen: _Generation
+    max_logprobs: int
+
+    def __post_init__(self) -> None:
+        self.tokenizer = self.engine.tokenizer
+        self.vocab = len(self.tokenizer)  # the tokenizer computes it on every call
+        self.max_len: int | None = getattr(self.engine, "max_model_len", None)
+        self.max_batch: int | None = getattr(self.engine, "max_batch_size", None)
+        self.names = {self.model_name, str(getattr(self.engine, "model_path", self.model_name))}
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
             raise APIError(
-                404, f"model {name!r} not found; this server has {model_name!r}", "model_not_found"
+                404,
+                f"model {name!r} not found; this server has {self.model_name!r}",
+                "model_not_found",
             )
 
-    gen = _Generation(engine, metrics, model_name)
-
-    max_batch = getattr(engine, "max_batch_size", None)
-
-    def check_lengths(ids: list[int], max_tokens: int | None, field: str, n: int = 1) -> None:
+    def check_lengths(self, ids: list[int], max_tokens: int | None, field: str, n: int) -> None:
+        """400 naming the field when n, the prompt or max_tokens do not fit the engine."""
+        max_len, max_batch = self.max_len, self.max_batch
         if max_batch is not None and n > max_batch:
             raise APIError(400, f"n: {n} is more than this server's max batch size ({max_batch})")
         if max_tokens is not None and max_tokens < 0:
@@ -225,17 +196,20 @@ def create_app(
                 f"({max_tokens} > {max_len} - {len(ids)})",
             )
 
+
+def _completion_route(app: FastAPI, served: _Served) -> None:
+    tokenizer, max_len, gen = served.tokenizer, served.max_len, served.gen
+
+    def default_max(ids: list[int]) -> int:
+        return 16 if max_len is None else min(16, max(max_len - len(ids), 0))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        check_model(body.model)
-        _check_logprobs("logprobs", body.logprobs, max_logprobs)
-        prompts = _prompt_batch(body.prompt, tokenizer, vocab)
+        served.check_model(body.model)
+        _check_logprobs("logprobs", body.logprobs, served.max_logprobs)
+        prompts = _prompt_batch(body.prompt, tokenizer, served.vocab)
         for ids in prompts:
-            check_lengths(ids, body.max_tokens, "prompt", body.n)
-
-        def default_max(ids: list[int]) -> int:
-            return 16 if max_len is None else min(16, max(max_len - len(ids), 0))
-
+            served.check_lengths(ids, body.max_tokens, "prompt", body.n)
         if body.stream:
             if len(prompts) != 1:
                 raise APIError(400, "prompt: stream=true takes one prompt per request")
@@ -244,26 +218,31 @@ def create_app(
             return await gen.stream(ids, body, default_max(ids), "completions", chunks)
         runs = [gen.run(ids, body, default_max(ids), "completions") for ids in prompts]
         bodies = [
-            completion_body(resp, model_name, version, tokenizer, body.logprobs)
+            completion_body(resp, served.model_name, version, tokenizer, body.logprobs)
             for resp, version in await asyncio.gather(*runs)
         ]
         return _json(bodies[0] if len(bodies) == 1 else _merge_completions(bodies, body.n))
 
+
+def _chat_route(app: FastAPI, served: _Served) -> None:
+    tokenizer, metrics, gen = served.tokenizer, served.metrics, served.gen
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Response:
-        check_model(body.model)
-        _check_logprobs("top_logprobs", body.top_logprobs, max_logprobs)
+        served.check_model(body.model)
+        _check_logprobs("top_logprobs", body.top_logprobs, served.max_logprobs)
         try:
             messages = chat_messages(body.messages)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        use_parser = _tool_mode(body, parser)
+        use_parser = _tool_mode(body, served.parser)
         ids = _render(tokenizer, messages, body.tools)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        check_lengths(ids, body.max_tokens, "messages", body.n)
-        default_max = max((max_len or len(ids) + 16) - len(ids), 0)
+        served.check_lengths(ids, body.max_tokens, "messages", body.n)
+        default_max = max((served.max_len or len(ids) + 16) - len(ids), 0)
         if body.stream:
+            chunks = partial(chat_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
             if use_parser is not None:
                 chunks = partial(
                     chat_tool_chunk_fn,
@@ -272,8 +251,6 @@ def create_app(
                     parser=use_parser,
                     on_parsed=metrics.parsed,
                 )
-            else:
-                chunks = partial(chat_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
             return await gen.stream(ids, body, default_max, "chat", chunks)
         resp, version = await gen.run(ids, body, default_max, "chat")
         parsed = None
@@ -281,11 +258,7 @@ def create_app(
             parsed = [use_parser.parse(o.text) for o in resp.outputs]
             for p in parsed:
                 metrics.parsed(p)
-        return _json(chat_body(resp, model_name, version, tokenizer, body.logprobs, parsed))
-
-    _info_routes(app, engine, metrics, model_name)
-    _control_routes(app, engine, weights_dirs)
-    return app
+        return _json(chat_body(resp, served.model_name, version, tokenizer, body.logprobs, parsed))
 
 
 def _check_logprobs(field: str, value: int | None, cap: int) -> None:
@@ -338,7 +311,9 @@ def _check_weights_path(path: str, dirs: list[str] | None) -> None:
         )
 
 
-def _info_routes(app: FastAPI, engine: InferenceEngine, metrics: _Metrics, model_name: str) -> None:
+def _info_routes(
+    app: FastAPI, engine: InferenceEngine, metrics: ServerMetrics, model_name: str
+) -> None:
     max_len = getattr(engine, "max_model_len", None)
 
     @app.get("/v1/models")
@@ -361,7 +336,7 @@ def _info_routes(app: FastAPI, engine: InferenceEngine, metrics: _Metrics, model
 class _Generation:
     """Runs one generation for an endpoint: a whole response, or a token stream."""
 
-    def __init__(self, engine: InferenceEngine, metrics: _Metrics, model_name: str) -> None:
+    def __init__(self, engine: InferenceEngine, metrics: ServerMetrics, model_name: str) -> None:
         self.engine, self.metrics, self.model_name = engine, metrics, model_name
 
     def _count(self, resp: GenerationResponse) -> None:
