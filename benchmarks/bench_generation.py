@@ -186,6 +186,8 @@ def compare(
             row.update(engine_no_prefix=plain, speedup_no_prefix=plain / hf)
         rows.append(row)
         extra = f"   hf fp32 {hf32:7.0f} tok/s   x{ours / hf32:5.2f}" if fp32 else ""
+        if chat:
+            extra += f"   engine without prefix cache {plain:7.0f} tok/s   x{plain / hf:5.2f}"
         print(
             f"{label:>10} c={c:<4} hf {hf:9.0f} tok/s   engine {ours:9.0f} tok/s   "
             f"x{ours / hf:5.2f}{extra}",

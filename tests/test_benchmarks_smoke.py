@@ -63,20 +63,16 @@ def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_generation_smoke_mode_on_smollm2(smollm2_dir, tmp_path: Path, dtype: str) -> None:
-    out = run_smoke(
-        "bench_generation.py",
-        "--smollm2",
-        "--model-path",
-        smollm2_dir,
-        "--dtype",
-        dtype,
-        "--out",
-        str(tmp_path),
-    )
+@pytest.mark.parametrize(("dtype", "chat"), [("float32", False), ("bfloat16", True)])
+def test_generation_smoke_mode_on_smollm2(
+    smollm2_dir, tmp_path: Path, dtype: str, chat: bool
+) -> None:
+    args = ["--smollm2", "--model-path", smollm2_dir, "--dtype", dtype, "--out", str(tmp_path)]
+    out = run_smoke("bench_generation.py", *args, *(["--chat"] if chat else []))
     if dtype != "float32":  # HF generate in fp32 measured beside both bf16 sides
         assert "hf fp32" in out
+    if chat:  # chat-template prompts: the engine also measured without its prefix cache
+        assert "engine without prefix cache" in out
     assert "smoke: smollm2_speedup_vs_hf_at_2:" in out
     assert not list(tmp_path.iterdir())  # smoke mode writes no results
 
