@@ -102,6 +102,11 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
     )
     try:
         fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # every rank done before any tears down: a gloo group destroyed while a peer
+            # still works in it can abort that peer ("terminate called without an active
+            # exception", seen once in CI under load)
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
