@@ -110,7 +110,7 @@ class PrefixCache:
     def _path(self, tokens: Sequence[int]) -> list[int]:
         node, slots, child = _ROOT, [], self._child
         for t in tokens[: len(tokens) - 1]:
-            node = child.get(_key(node, t), None)
+            node = child.get(_key(node, t))
             if node is None:
                 break
             slots.append(node)

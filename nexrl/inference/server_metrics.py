@@ -7,6 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from nexrl.inference.protocol import InferenceEngine
+from nexrl.inference.tool_parsers import ParseResult
 
 
 class ServerMetrics:
@@ -37,9 +38,10 @@ class ServerMetrics:
         self._last = (time.monotonic(), 0.0)
         self._total = 0.0
 
-    def parsed(self, parsed) -> None:
-        self.tool_calls.inc(len(parsed[1]))
-        self.tool_parse_failures.inc(len(parsed[2]))
+    def parsed(self, parsed: ParseResult) -> None:
+        _, calls, failures = parsed
+        self.tool_calls.inc(len(calls))
+        self.tool_parse_failures.inc(len(failures))
 
     def generated(self, n: int) -> None:
         self.tokens.inc(n)
