@@ -13,11 +13,13 @@ step and by `module.method` (`nexrl.execute.REMOTE_CALLS`, summed over the drive
 the module actors).
 
     python benchmarks/bench_ray.py [--steps 20] [--rounds 1] [--out benchmarks/results/ray.json]
+        [--layouts one_actor rollout_train]   # Ray runs per layout (default: ray.layout's)
     python benchmarks/bench_ray.py --smoke   # 2 tiny steps per mode, nothing written
 
 Last lines: `ray_vs_local_step_median: X` (the headline: Ray's median seconds per step
 over local's; 1.0 = no per-step overhead), `ray_vs_local_wallclock: X` (whole runs);
-each the median over rounds of the round's Ray/local ratio.
+each the median over rounds of the round's Ray/local ratio. A layout other than the
+default is reported as `ray_<layout>_vs_local_*`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from _machine import command, machine
 
 from nexrl import execute as execute_module
 from nexrl.config import load_config
+from nexrl.config.schema import RayConfig
 from nexrl.controller import NexRLController
 
 SMOKE = [
@@ -66,12 +69,15 @@ def ray_calls(controller: NexRLController) -> dict[str, int]:
 
 
 def one_run(mode: str, steps: int, out: str, extra: list[str]) -> dict[str, Any]:
+    """`mode`: `local`, `ray` (the default layout) or `ray_<layout>` (`ray.layout`)."""
+    launch, _, layout = mode.partition("_")
     cfg = load_config(
         [
-            f"launch_mode={mode}",
+            f"launch_mode={launch}",
             f"train_worker.total_train_steps={steps}",
             f"output_dir={out}/{mode}",
             "logger.backend=[jsonl]",
+            *([f"ray.layout={layout}"] if layout else []),
             *extra,
         ]
     )
@@ -96,7 +102,7 @@ def one_run(mode: str, steps: int, out: str, extra: list[str]) -> dict[str, Any]
         "load_average_1m": os.getloadavg()[0],
         **final,
     }
-    if mode == "ray":
+    if launch == "ray":
         calls = ray_calls(controller)
         result["ray_calls_per_step"] = {
             k: round(v / len(per_step), 2) for k, v in sorted(calls.items(), key=lambda x: -x[1])
@@ -120,11 +126,17 @@ def print_run(mode: str, r: dict[str, Any]) -> None:
         print(f"      Ray calls per step: {sum(calls.values()):.1f} ({top})", flush=True)
 
 
-def ratio(results: dict[str, list[dict[str, Any]]], key: str) -> float:
-    """Ray over local per round (each pair ran back to back), the median over rounds:
-    the machine's load moves between rounds more than between the two runs of one."""
-    pairs = zip(results["ray"], results["local"], strict=True)
+def ratio(results: dict[str, list[dict[str, Any]]], key: str, mode: str = "ray") -> float:
+    """`mode` over local per round (the runs of a round ran back to back), the median over
+    rounds: the machine's load moves between rounds more than between the runs of one."""
+    pairs = zip(results[mode], results["local"], strict=True)
     return statistics.median(ray[key] / local[key] for ray, local in pairs)
+
+
+def headline(results: dict[str, list[dict[str, Any]]], mode: str) -> dict[str, float]:
+    keys = {"step_median": "step_median_s", "step_mean": "step_mean_s", "steps_only": "steps_s"}
+    keys |= {"run_only": "run_s", "startup": "startup_s", "wallclock": "total_s"}
+    return {f"{mode}_vs_local_{name}": ratio(results, key, mode) for name, key in keys.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="local/ray pairs, interleaved")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
     parser.add_argument("--smoke", action="store_true", help="2 tiny steps per mode, no files")
+    parser.add_argument(
+        "--layouts", nargs="+", default=None, help="ray.layout of each Ray run (default: its own)"
+    )
     args = parser.parse_args(argv)
     import ray
 
@@ -140,33 +155,28 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.rounds, args.out = 2, 1, None
 
     os.environ.setdefault("NEXRL_HOME", tempfile.mkdtemp(prefix="nexrl_bench_"))
-    results: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
+    default = RayConfig.layout
+    rays = [f"ray_{x}" if x != default else "ray" for x in args.layouts or [default]]
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in ["local", *rays]}
     with tempfile.TemporaryDirectory() as out:
         for _ in range(args.rounds):
-            for mode in ("local", "ray"):
+            for mode in results:
                 results[mode].append(one_run(mode, args.steps, out, SMOKE if args.smoke else []))
                 print_run(mode, results[mode][-1])
-    if ray.is_initialized():
-        ray.shutdown()
-    headline = {
-        "ray_vs_local_step_median": ratio(results, "step_median_s"),
-        "ray_vs_local_step_mean": ratio(results, "step_mean_s"),
-        "ray_vs_local_steps_only": ratio(results, "steps_s"),
-        "ray_vs_local_run_only": ratio(results, "run_s"),
-        "ray_vs_local_startup": ratio(results, "startup_s"),
-        "ray_vs_local_wallclock": ratio(results, "total_s"),
-    }
+                if ray.is_initialized():
+                    ray.shutdown()  # each Ray run starts its own Ray
+    ratios = {k: v for mode in rays for k, v in headline(results, mode).items()}
     if args.out:
         payload = {
             "machine": machine(),
             "command": command(),
             "load_average": os.getloadavg(),
             "steps": args.steps,
-            **headline,
+            **ratios,
             **results,
         }
         Path(args.out).write_text(json.dumps(payload, indent=1))
-    for key, value in headline.items():
+    for key, value in ratios.items():
         print(f"{key}: {value:.3f}")
 
 

@@ -87,8 +87,9 @@ def test_rewards_smoke_mode_runs(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ray_smoke_mode_runs() -> None:
-    out = run_smoke("bench_ray.py")
+    out = run_smoke("bench_ray.py", "--layouts", "one_actor", "rollout_train")
     assert SMOKE_LINES["bench_ray.py"] in out
+    assert "ray_rollout_train_vs_local_wallclock:" in out
 
 
 @pytest.mark.slow

@@ -353,11 +353,13 @@ class RayConfig:
     """Ray restarts of a dead module actor; nexrl rebuilds and rewires its modules."""
     torch_threads: int | None = None
     """Torch threads in each module actor; null: `NEXRL_ACTOR_THREADS` or
-    `OMP_NUM_THREADS` if set, else 1 (robust on a shared machine; local mode's count,
-    e.g. 2, is faster on a dedicated one: benchmarks/results/ray.md)."""
+    `OMP_NUM_THREADS` if set, else the driver's torch threads split evenly over the
+    module actors (at least 1)."""
+    layout: str = "one_actor"
+    """Which modules share an actor: `one_actor` (all of them, in `main`), `rollout_train`
+    (a `rollout` and a `train` actor) or `split` (also a `data` actor); docs/ray.md."""
     colocation: dict[str, str | None] = field(default_factory=dict)
-    """role -> colocation group (null: an actor of its own), over the default layout
-    rollout / train (docs/ray.md)."""
+    """role -> colocation group (null: an actor of its own), over `layout`'s."""
     groups: dict[str, Any] = field(default_factory=dict)
     """group -> {num_cpus, num_gpus, max_concurrency, max_restarts, resources}."""
     train_ranks: dict[str, Any] = field(default_factory=dict)

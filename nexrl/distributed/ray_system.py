@@ -2,16 +2,17 @@
 
 Same attributes and methods as `nexrl.system.LocalSystem`, with `RayActorWrapper`s
 in place of module objects, so the controller (the Ray driver) runs unchanged.
-Default layout, one actor per colocation group (`ray.colocation` overrides it):
+One actor per colocation group: by default (`ray.layout: one_actor`) every module in
+a `main` actor; `rollout_train` splits it in two:
 
     rollout  rollout_worker(s), weight_sync_controller   (share the in-process engine),
              data_loader, validate_dataloader, trajectory_pool, validator
     train    train_worker(s), algorithm_processor, train_batch_pool
 
-plus one ActivityTracker actor that every module reaches through its
-`ActivityTrackerProxy`. With the built-in in-process inference engine the rollout
-workers and the weight-sync controller MUST share an actor (the engine is
-process-wide per model tag); this is checked at start.
+(`ray.colocation` overrides single roles), plus one ActivityTracker actor that every
+module reaches through its `ActivityTrackerProxy`. With the built-in in-process
+inference engine the rollout workers and the weight-sync controller MUST share an
+actor (the engine is process-wide per model tag); this is checked at start.
 """
 
 from __future__ import annotations

@@ -18,7 +18,14 @@ from nexrl.config.schema import RayConfig
 from nexrl.distributed.resource_manager import GroupOptions
 from nexrl.types import NexRLRole
 
-DEFAULT_COLOCATION: dict[str, str | None] = {
+ONE_ACTOR_COLOCATION: dict[str, str | None] = {role.value: "main" for role in NexRLRole}
+"""Every module in one `main` actor: the trainer hands its weights to the engine in
+memory and no batch crosses between processes, as in local mode (and as in a colocated
+"hybrid engine" trainer). Ray then adds the driver's controller calls and the activity
+tracker, and the run can still place train ranks and inference replicas
+(`ray.train_ranks`, `ray.inference_replicas`) on actors of their own."""
+
+ROLLOUT_TRAIN_COLOCATION: dict[str, str | None] = {
     NexRLRole.DATA_LOADER.value: "rollout",
     NexRLRole.VALIDATE_DATALOADER.value: "rollout",
     NexRLRole.TRAJECTORY_POOL.value: "rollout",
@@ -32,7 +39,8 @@ DEFAULT_COLOCATION: dict[str, str | None] = {
 """Two actors, split where data must cross anyway: each rollout task touches the loader,
 the task ledger, the trajectory pool and (validating) the validator, so they live with
 the rollout workers; the processor and the train worker share the train batch pool. One
-batch per step crosses from `rollout` to `train` (the processor's `get_batch`)."""
+batch per step crosses from `rollout` to `train` (the processor's `get_batch`), and the
+weights cross back in each push."""
 
 SPLIT_COLOCATION: dict[str, str | None] = {
     **{
@@ -50,9 +58,16 @@ SPLIT_COLOCATION: dict[str, str | None] = {
     NexRLRole.ROLLOUT_WORKER.value: "rollout",
     NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
 }
-"""The former default: loaders, pools and the validator in a `data` actor of their own
-(`ray.colocation`: data_loader: data, ...). Every task then costs two more Ray calls (the
-loader item, the trajectory group); docs/ray.md has the figures."""
+"""Loaders, pools and the validator in a `data` actor of their own. Every task then
+costs two more Ray calls (the loader item, the trajectory group); docs/ray.md."""
+
+LAYOUTS: dict[str, dict[str, str | None]] = {
+    "one_actor": ONE_ACTOR_COLOCATION,
+    "rollout_train": ROLLOUT_TRAIN_COLOCATION,
+    "split": SPLIT_COLOCATION,
+}
+"""`ray.layout` -> its colocation (role -> group); `ray.colocation` is merged over it."""
+DEFAULT_COLOCATION = LAYOUTS[RayConfig.layout]
 IN_PROCESS_BACKENDS = ("builtin", "hf")
 
 
@@ -73,7 +88,10 @@ class RaySettings(RayConfig):
                 f"unknown ray key(s) {unknown}; valid: {sorted(cls.__dataclass_fields__)}"
             )
         raw = {k: v for k, v in raw.items() if v is not None}
-        colocation = {**DEFAULT_COLOCATION, **(raw.pop("colocation", None) or {})}
+        layout = raw.get("layout", RayConfig.layout)
+        if layout not in LAYOUTS:
+            raise ValueError(f"ray.layout={layout!r}; choose one of {sorted(LAYOUTS)}")
+        colocation = {**LAYOUTS[layout], **(raw.pop("colocation", None) or {})}
         bad = sorted(set(colocation) - {r.value for r in NexRLRole})
         if bad:
             raise ValueError(
@@ -88,7 +106,16 @@ class RaySettings(RayConfig):
                 raise ValueError(f"ray.torch_threads must be >= 1, got {self.torch_threads}")
             return int(self.torch_threads)
         env = os.environ.get("NEXRL_ACTOR_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        return int(env) if env else 1
+        if env:
+            return int(env)
+        import torch
+
+        return max(1, torch.get_num_threads() // self.module_actors())
+
+    def module_actors(self) -> int:
+        """Module actors this layout starts: one per named group, one per role set to null."""
+        named = {group for group in self.colocation.values() if group}
+        return len(named) + sum(group is None for group in self.colocation.values())
 
     def group_options(self) -> dict[str, GroupOptions]:
         names = {g for g in self.colocation.values() if g} | set(self.groups)
@@ -123,13 +150,10 @@ def init_ray(settings: RaySettings) -> bool:
 
 def actor_env(settings: RaySettings) -> dict[str, str]:
     """What actors inherit from the driver: NEXRL_* variables, the import path, timeouts,
-    and torch's threads per actor (`OMP_NUM_THREADS`).
-
-    Threads: `NEXRL_ACTOR_THREADS`, else the driver's `OMP_NUM_THREADS`, else 1 (what
-    Ray sets in actors that reserve no CPU). One thread per actor measured best on a
-    shared 2-core machine (benchmarks/results/ray.md): with two, OpenMP threads of the
-    train and rollout actors spin-wait against each other and other processes, and a
-    third of the steps took 1.5-5x the median step.
+    and torch's threads (`OMP_NUM_THREADS`): `NEXRL_ACTOR_THREADS`, else the driver's
+    `OMP_NUM_THREADS`, else 1 (what Ray sets in actors that reserve no CPU). Module
+    actors get `RaySettings.module_threads()` instead: two actors of two threads each on
+    two cores spin-waited against each other (benchmarks/results/ray.md).
     """
     env = {k: v for k, v in os.environ.items() if k.startswith(("NEXRL_", "HF_"))}
     paths = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]

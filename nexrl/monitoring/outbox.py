@@ -21,11 +21,17 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from typing import Any
 
 from nexrl.execute import execute
 
 logger = logging.getLogger(__name__)
+
+LINGER_S = 0.01
+"""How long the sender lets a batch fill after its first call before sending it (a
+`flush` sends at once): the calls of a step's burst of tasks then travel in a few Ray
+calls instead of one each (14 -> 5 per step of the default run)."""
 
 QUEUED = frozenset({"start", "end", "increment"})
 """The tracker methods an `Outbox` may carry (nothing waits for their results)."""
@@ -42,6 +48,7 @@ class Outbox:
         self._cond = threading.Condition()
         self._queue: list[tuple[str, tuple]] = []
         self._sending = False
+        self._flushing = 0  # flush() calls waiting: send without lingering
         self._thread = threading.Thread(target=self._run, name="tracker-outbox", daemon=True)
         self._thread.start()
 
@@ -55,8 +62,10 @@ class Outbox:
     def flush(self, timeout: float = 30.0) -> None:
         """Return once every call queued so far has been applied by the tracker."""
         with self._cond:
+            self._flushing += 1
             self._cond.notify_all()
             done = self._cond.wait_for(lambda: not self._queue and not self._sending, timeout)
+            self._flushing -= 1
         if not done:
             logger.warning(
                 "tracker outbox: %d calls still queued after %g s", len(self._queue), timeout
@@ -66,6 +75,7 @@ class Outbox:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue))
+                self._linger()
                 batch, self._queue = self._queue, []
                 self._sending = True
             try:
@@ -76,6 +86,12 @@ class Outbox:
                 with self._cond:
                     self._sending = False
                     self._cond.notify_all()
+
+    def _linger(self) -> None:
+        """Let more calls join the batch for up to `LINGER_S` (holding `_cond`)."""
+        deadline = time.monotonic() + LINGER_S
+        while not self._flushing and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
 
 
 def outbox_for(central: Any) -> Outbox:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from nexrl.config.schema import TrajectoryPoolConfig
 from nexrl.execute import execute
@@ -301,17 +302,20 @@ class TrajectoryPool(NexRLModule):
     ) -> Batch | None:
         """`batch_size` trajectories of whole groups from `model_tag` (None: any tag).
 
-        With `wait_s` > 0 and no batch yet, waits up to that long for another group to
-        arrive and tries once more (the tail is found on that retry too).
+        With `wait_s` > 0 and no batch yet, tries again at each group's arrival until a
+        batch (or the tail) forms or `wait_s` has passed: one waiting call per batch, not
+        one per group (in Ray mode each return is a round trip from another actor).
         """
-        with self._arrived:
-            seen = self._arrivals
-        batch = self._get_batch_now(batch_size, model_tag)
-        if batch is not None or wait_s <= 0:
-            return batch
-        with self._arrived:
-            self._arrived.wait_for(lambda: self._arrivals != seen, timeout=wait_s)
-        return self._get_batch_now(batch_size, model_tag)
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._arrived:
+                seen = self._arrivals
+            batch = self._get_batch_now(batch_size, model_tag)
+            left = deadline - time.monotonic()
+            if batch is not None or left <= 0:
+                return batch
+            with self._arrived:
+                self._arrived.wait_for(lambda seen=seen: self._arrivals != seen, timeout=left)
 
     def _get_batch_now(self, batch_size: int | None, model_tag: ModelTag | None) -> Batch | None:
         for inst in self._selected(model_tag):

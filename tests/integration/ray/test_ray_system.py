@@ -114,6 +114,7 @@ def test_a_dead_actor_stops_the_run_with_a_clear_error(ray_local, ray_config):
         "train_worker.total_train_steps=50",
         "runtime_monitor.health_check.check_interval=1.0",
         "validate.validate_before_train=false",
+        ray={"layout": "rollout_train"},  # the train actor lives on to see the death
     )
     controller = NexRLController(cfg)
     kill_when(controller, "rollout", step=1, no_restart=True)
@@ -142,7 +143,7 @@ def test_a_restarted_actor_without_a_checkpoint_stops_the_run_naming_it(ray_loca
         "train_worker.save_freq=0",
         "weight.validate_freq=0",
         "validate.validate_before_train=false",
-        ray={"groups": {"rollout": {"max_restarts": 1}}},
+        ray={"layout": "rollout_train", "groups": {"rollout": {"max_restarts": 1}}},
     )
     controller = NexRLController(cfg)
     kill_when(controller, "rollout", step=1, no_restart=False)

@@ -6,7 +6,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from nexrl.distributed.ray_system import check_layout
-from nexrl.distributed.settings import DEFAULT_COLOCATION, SPLIT_COLOCATION, RaySettings
+from nexrl.distributed.settings import (
+    DEFAULT_COLOCATION,
+    ROLLOUT_TRAIN_COLOCATION,
+    SPLIT_COLOCATION,
+    RaySettings,
+)
 from nexrl.execute import default_timeout, set_default_timeout
 from nexrl.monitoring import ActivityTracker
 
@@ -21,6 +26,7 @@ def test_defaults_and_overrides_merge_over_the_default_layout():
     s = RaySettings.from_config(
         cfg_with(
             {
+                "layout": "rollout_train",
                 "max_restarts": 2,
                 "colocation": {"validator": None},
                 "groups": {"train": {"num_gpus": 1}},
@@ -36,11 +42,37 @@ def test_defaults_and_overrides_merge_over_the_default_layout():
     )
 
 
-def test_the_default_layout_is_two_actors_and_the_split_one_three():
-    assert set(DEFAULT_COLOCATION.values()) == {"rollout", "train"}
-    split = RaySettings.from_config(cfg_with({"colocation": SPLIT_COLOCATION}))
-    assert set(split.group_options()) == {"data", "rollout", "train"}
-    check_layout(cfg_with(), split.colocation)
+def test_layouts_one_actor_by_default_then_two_and_three():
+    default = RaySettings.from_config(cfg_with())
+    assert set(default.colocation.values()) == {"main"} and default.module_actors() == 1
+    two = RaySettings.from_config(cfg_with({"layout": "rollout_train"}))
+    assert set(two.group_options()) == {"rollout", "train"} and two.module_actors() == 2
+    split = RaySettings.from_config(cfg_with({"layout": "split"}))
+    assert split.colocation == SPLIT_COLOCATION and split.module_actors() == 3
+    own = RaySettings.from_config(cfg_with({"colocation": {"validator": None}}))
+    assert own.module_actors() == 2  # `main` and the validator's own actor
+    for layout in (default, two, split):
+        check_layout(cfg_with(), layout.colocation)
+    with pytest.raises(ValueError, match=r"ray.layout='two'; choose one of"):
+        RaySettings.from_config(cfg_with({"layout": "two"}))
+
+
+def test_module_threads_split_the_drivers_threads_over_the_module_actors(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("NEXRL_ACTOR_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert RaySettings.from_config(cfg_with()).module_threads() == 4
+    assert RaySettings.from_config(cfg_with({"layout": "rollout_train"})).module_threads() == 2
+    assert RaySettings.from_config(cfg_with({"layout": "split"})).module_threads() == 1
+    assert RaySettings.from_config(cfg_with({"torch_threads": 3})).module_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert RaySettings.from_config(cfg_with()).module_threads() == 3
+    monkeypatch.setenv("NEXRL_ACTOR_THREADS", "2")
+    assert RaySettings.from_config(cfg_with()).module_threads() == 2
+    with pytest.raises(ValueError, match="ray.torch_threads must be >= 1"):
+        RaySettings.from_config(cfg_with({"torch_threads": 0})).module_threads()
 
 
 def test_bad_keys_are_named():
@@ -53,7 +85,7 @@ def test_bad_keys_are_named():
 
 
 def test_an_in_process_engine_needs_rollout_and_weight_sync_together():
-    split = {**DEFAULT_COLOCATION, "weight_sync_controller": "data"}
+    split = {**ROLLOUT_TRAIN_COLOCATION, "weight_sync_controller": "data"}
     with pytest.raises(ValueError, match="must name the same group"):
         check_layout(cfg_with(), split)
     check_layout(cfg_with(backend="remote"), split)  # a server: any layout
@@ -81,16 +113,3 @@ def test_forget_module_drops_only_that_modules_work():
     assert "rollout_worker_0" not in tracker.get_running_status_summary()
     tracker.end(kept)
     assert tracker.is_quiescent()
-
-
-def test_module_threads_follow_the_setting_then_the_environment_then_one(monkeypatch):
-    monkeypatch.delenv("NEXRL_ACTOR_THREADS", raising=False)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert RaySettings.from_config(cfg_with()).module_threads() == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert RaySettings.from_config(cfg_with()).module_threads() == 3
-    monkeypatch.setenv("NEXRL_ACTOR_THREADS", "2")
-    assert RaySettings.from_config(cfg_with()).module_threads() == 2
-    assert RaySettings.from_config(cfg_with({"torch_threads": 1})).module_threads() == 1
-    with pytest.raises(ValueError, match="ray.torch_threads must be >= 1"):
-        RaySettings.from_config(cfg_with({"torch_threads": 0})).module_threads()

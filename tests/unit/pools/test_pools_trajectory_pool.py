@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -191,6 +192,20 @@ def test_waiting_get_batch_is_woken_by_the_group_that_completes_a_batch() -> Non
     pool.put_trajectory_group(group("b", 2))
     waiter.join(5)
     assert not waiter.is_alive() and got[0] is not None and len(got[0]) == 4
+
+
+def test_a_waiting_get_batch_outlasts_groups_that_do_not_complete_a_batch() -> None:
+    """One waiting call per batch: groups that leave it short do not end the wait."""
+    pool, _ = make_pool()  # batches of 4: two groups of 2
+    got: list[Batch | None] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.get_batch(wait_s=30)))
+    waiter.start()
+    pool.put_trajectory_group(group("a", 2))
+    time.sleep(0.1)
+    assert waiter.is_alive() and not got
+    pool.put_trajectory_group(group("b", 2))
+    waiter.join(5)
+    assert not waiter.is_alive() and len(got[0]) == 4
 
 
 def test_waiting_train_batch_pool_get_is_woken_by_put() -> None:
