@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 LINGER_S = 0.01
 """How long the sender lets a batch fill after its first call before sending it (a
 `flush` sends at once): the calls of a step's burst of tasks then travel in a few Ray
-calls instead of one each (14 -> 5 per step of the default run)."""
+calls instead of one each (14 -> 6-7 a step with two actors, benchmarks/results/ray.md)."""
 
 QUEUED = frozenset({"start", "end", "increment"})
 """The tracker methods an `Outbox` may carry (nothing waits for their results)."""
