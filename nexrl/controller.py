@@ -91,6 +91,7 @@ class NexRLController:
         self._next_health_check = 0.0
         self._next_error_check = 0.0
         self._next_restart_check = 0.0
+        self._steps_seen = 0  # train steps the weight sync controller had finished
         self.rewinds: list[tuple[int, list[str]]] = []
         """(checkpoint step, restarted actor groups) per Ray rewind (docs/reliability.md)."""
         self.final_metrics: dict[str, float] = {}
@@ -113,7 +114,7 @@ class NexRLController:
                 self._wait_validate()
                 self._end_validate(self._tag)
             while not self._watch_once():
-                time.sleep(self.system.watch_interval_s)
+                pass  # each pass waits for the next train step's end (`progress_wait_s`)
             if self._last_validated_step != self._train_step():
                 self._run_validate(self._tag)
         finally:
@@ -129,8 +130,13 @@ class NexRLController:
                 return True
             self._check_module_exceptions_periodically()
             self._check_module_liveness_periodically()
-            if execute(self.system.weight_sync_controller.is_waiting_for_validation):
+            wsc = self.system.weight_sync_controller
+            if execute(wsc.is_waiting_for_validation):
                 self._run_validate(self._tag)
+            else:  # until the next train step ends (or `progress_wait_s`)
+                self._steps_seen = execute(
+                    wsc.wait_for_progress, self._steps_seen, self.system.progress_wait_s
+                )
         except (ActorRestartedError, TrainingAborted):
             if not self._rewind_after_restart(settle=True):
                 raise
@@ -154,9 +160,9 @@ class NexRLController:
                 f"ledger, pools, loader position or optimizer); no complete checkpoint under "
                 f"{folder} to rewind to (set train_worker.save_freq)"
             )
-        before = execute(self.activity_tracker.get_training_step)  # the train actor may be fenced
         logger.warning("Ray actor(s) %s restarted: rewinding to %s", describe(restarted), path)
-        quiesce_and_reset(self.system, restarted)
+        quiesce_and_reset(self.system, restarted)  # flushes every outbox: the step is current
+        before = execute(self.activity_tracker.get_training_step)  # the train actor may be fenced
         step = self._restore_checkpoint(path)
         restart_loops(self.system)
         execute(self.activity_tracker.increment, "recovery/rewinds")
@@ -287,6 +293,7 @@ class NexRLController:
     def _end_validate(self, model_tag: ModelTag) -> None:
         s = self.system
         self._set_validate_mode(False)
+        s.flush_tracker()  # the validator logs at the tracker's step, queued by the trainer
         metrics = execute(s.validator.compute_and_log_metrics)
         execute(s.validator.clear)
         execute(s.weight_sync_controller.end_validate, model_tag)

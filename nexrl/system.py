@@ -33,7 +33,10 @@ class ModuleSystem:
     train_workers: list[Any]
     rollout_workers: list[Any]
     watch_interval_s: float = 0.02
-    """Pause between the controller's polls (each poll is several module calls)."""
+    """Pause between the controller's polls while it waits for a validation to end."""
+    progress_wait_s: float = 0.02
+    """Longest wait of the controller's watch loop between two passes; a finished train
+    step ends the wait at once (`WeightSyncController.wait_for_progress`)."""
 
     def named_modules(self) -> list[tuple[str, Any, bool]]:
         """(name, module, is_rollout_worker) for every module."""

@@ -65,6 +65,7 @@ class WeightSyncController(NexRLModule):
         self._lock = threading.Condition(threading.RLock())
         self._pushing: dict[ModelTag, bool] = {}
         self._trained: dict[ModelTag, int] = {}
+        self._steps_done = 0  # train steps whose notify call has finished (any tag)
         self._syncs_since_validate = 0
         self._waiting_for_validation = False
         self._validating = False
@@ -149,8 +150,15 @@ class WeightSyncController(NexRLModule):
             trained = self._trained[model_tag]
             due = trained % self.policy.sync_every == 0
         self.admission.mark_trained(model_tag, trained)  # batch trained - 1 is done
-        if not due:
-            return
+        try:
+            if due:
+                self._push_after_step(model_tag)
+        finally:
+            with self._lock:
+                self._steps_done += 1
+                self._lock.notify_all()  # wakes `wait_for_progress`
+
+    def _push_after_step(self, model_tag: ModelTag) -> None:
         if self._sync_mode == "sync":
             self.sync_weight_to_rollout_service(model_tag)
         else:
@@ -234,6 +242,14 @@ class WeightSyncController(NexRLModule):
         )
         self.admission.set_version(model_tag, version)
         logger.debug("pushed weights v%d for %s", version, model_tag)
+
+    def wait_for_progress(self, seen: int, timeout: float) -> int:
+        """The controller's watch loop: return once more than `seen` train steps have been
+        notified (their push done, a due validation flagged), or after `timeout` s; the
+        count. One blocking call a step instead of polls through the step."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._steps_done != seen, timeout)
+            return self._steps_done
 
     # -- validation (controller) ------------------------------------------------------------
     def is_waiting_for_validation(self) -> bool:

@@ -21,7 +21,7 @@ from nexrl.algorithms.kl import apply_kl_penalty
 from nexrl.config.schema import AlgorithmConfig
 from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
-from nexrl.monitoring.loggers import sample_rows
+from nexrl.monitoring.samples import sample_rows
 from nexrl.protocols import TrainBatchPoolLike, TrainWorkerLike, TrajectoryPoolLike
 from nexrl.types import DEFAULT_MODEL_TAG, Batch, Trajectory
 

@@ -130,6 +130,14 @@ class RaySettings(RayConfig):
         return out
 
 
+QUIET_RAY_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_prestart_worker_first_driver": "0",  # every actor starts a worker of its own
+    "RAY_enable_metrics_collection": "0",
+}
+"""Set (unless already set) before a local `ray.init`: the raylet and workers read them."""
+
+
 def init_ray(settings: RaySettings) -> bool:
     """`ray.init` unless already connected; True when this call started/connected Ray."""
     if ray.is_initialized():
@@ -143,7 +151,10 @@ def init_ray(settings: RaySettings) -> bool:
         )
         # Ray starts its workers at niceness +15 over the driver; the modules then lose
         # every contended core to any other process, where local mode's threads do not.
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        # Idle pre-started workers and the metrics agent wake up on their own timers: each
+        # wake-up preempts a torch thread of a step (benchmarks/results/ray.md).
+        for name, value in QUIET_RAY_ENV.items():
+            os.environ.setdefault(name, value)
     ray.init(**kwargs, runtime_env={"env_vars": actor_env(settings)})
     return True
 

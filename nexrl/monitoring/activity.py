@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from nexrl.execute import execute, is_remote
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
-from nexrl.monitoring.loggers import ExperimentLogger
+from nexrl.monitoring.loggers import ExperimentLogger, check_backend
 from nexrl.monitoring.outbox import QUEUED, outbox_for
 
 logger = logging.getLogger(__name__)
@@ -105,15 +105,18 @@ class ActivityTracker:
                 raise ValueError(f"ActivityTracker.end: unknown or already ended token {token!r}")
             self._cond.notify_all()
 
-    def apply(self, calls: list[tuple[str, tuple]]) -> None:
-        """Run a batch of queued `end` / `increment` calls (an `Outbox` sends them)."""
-        for method, args in calls:
+    def apply(self, calls: list[tuple]) -> None:
+        """Run a batch of queued calls, `(method, args)` or `(method, args, kwargs)`, in
+        order (an `Outbox` sends them; `QUEUED` names the methods)."""
+        for method, args, *rest in calls:
             if method not in QUEUED:
                 raise ValueError(f"ActivityTracker.apply: {method!r} cannot be queued")
             try:
-                getattr(self, method)(*args)
+                getattr(self, method)(*args, **(rest[0] if rest else {}))
             except ValueError as exc:  # one bad token must not lose the rest of the batch
                 logger.warning("tracker: queued %s%r failed: %s", method, args, exc)
+            except Exception as exc:  # e.g. a logger backend failed: on record, batch goes on
+                self.report_exception("activity_tracker", f"queued {method}", exc)
 
     def is_quiescent(self) -> bool:
         with self._cond:
@@ -238,17 +241,18 @@ class ActivityTracker:
 class ActivityTrackerProxy:
     """What a module holds: forwards to the central tracker through `execute`.
 
-    With a Ray tracker, `start`, `end` and `increment` go through this process's
-    `Outbox` (batched, in order, not waited for); the proxy's reads flush it first."""
+    With a Ray tracker, `start`, `end`, `increment`, `set_training_step` and
+    `experiment_logger_post` go through this process's `Outbox` (batched, in order, not
+    waited for); the proxy's reads flush it first."""
 
     def __init__(self, central_tracker: Any) -> None:
         self._central = central_tracker
 
-    def _queue(self, method: str, *args: Any) -> None:
+    def _queue(self, method: str, *args: Any, **kwargs: Any) -> None:
         if is_remote(self._central.apply):
-            outbox_for(self._central).put(method, *args)
+            outbox_for(self._central).put(method, *args, **kwargs)
         else:
-            getattr(self._central, method)(*args)
+            getattr(self._central, method)(*args, **kwargs)
 
     def _flush(self) -> None:
         if is_remote(self._central.apply):
@@ -295,10 +299,15 @@ class ActivityTrackerProxy:
         return execute(self._central.get_counters)
 
     def set_training_step(self, step: int) -> None:
-        execute(self._central.set_training_step, step)
+        """Not waited for; a reader in another process may see it one outbox batch late
+        (the controller flushes every outbox before the reads where that matters)."""
+        self._queue("set_training_step", step)
 
     def get_training_step(self) -> int:
+        self._flush()
         return execute(self._central.get_training_step)
 
     def experiment_logger_post(self, backend: str, **kwargs: Any) -> None:
-        execute(self._central.experiment_logger_post, backend, **kwargs)
+        """Not waited for (two posts a train step); an unknown `backend` raises here."""
+        check_backend(backend)
+        self._queue("experiment_logger_post", backend, **kwargs)

@@ -21,11 +21,12 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from nexrl.monitoring.progress import DEFAULT_CONSOLE_KEYS, ConsoleBackend
+from nexrl.monitoring.samples import SAMPLE_COLUMNS, sample_rows, with_staleness
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,11 @@ __all__ = [
     "SAMPLE_COLUMNS",
     "ConsoleBackend",
     "ExperimentLogger",
+    "check_backend",
     "parse_backends",
     "sample_rows",
     "with_staleness",
 ]
-
-SAMPLE_COLUMNS = ("prompt", "response", "reward", "version", "staleness")
-"""Columns of the sample-completion table every tracker receives."""
 
 TRACKER_IDS_FILE = "trackers.json"
 
@@ -84,45 +83,6 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         else:
             flat[name] = value
     return flat
-
-
-def sample_rows(
-    trajectories: Sequence[Mapping[str, Any]], trained_version: int | None, limit: int
-) -> list[dict[str, Any]]:
-    """The first `limit` trajectories as sample-table rows.
-
-    `version` is the oldest weight version that produced a token of the sample
-    (`min(token_versions)`, else `model_version`); `staleness` is
-    `trained_version - version` (None when either is unknown).
-    """
-    rows = []
-    for traj in list(trajectories)[: max(0, limit)]:
-        versions = traj.get("token_versions") or []
-        version = min(versions) if versions else traj.get("model_version")
-        stale = None if version is None or trained_version is None else trained_version - version
-        reward = traj.get("reward")
-        rows.append(
-            {
-                "prompt": str(traj.get("prompt", "")),
-                "response": str(traj.get("response", "")),
-                "reward": None if reward is None else float(reward),
-                "version": version,
-                "staleness": stale,
-            }
-        )
-    return rows
-
-
-def with_staleness(rows: list[dict[str, Any]], trained_version: int) -> list[dict[str, Any]]:
-    """Copies of `rows` with `staleness = trained_version - version`: rows built where the
-    trained version is not known yet (the algorithm processor) get it at train time."""
-    return [
-        {
-            **row,
-            "staleness": None if row.get("version") is None else trained_version - row["version"],
-        }
-        for row in rows
-    ]
 
 
 def _table(rows: list[dict[str, Any]]) -> list[list[Any]]:
@@ -395,6 +355,15 @@ def parse_backends(backend: str | list[str] | tuple[str, ...] | None) -> list[st
     return list(dict.fromkeys(names))
 
 
+def check_backend(backend: str) -> None:
+    """Raise naming the choices unless `backend` is one `ExperimentLogger.post` takes."""
+    if backend not in ("metrics", "all", "samples", *LOGGER_BACKENDS):
+        raise ValueError(
+            f"experiment_logger_post: unknown backend {backend!r}; valid choices: "
+            f"metrics, all, samples, {', '.join(LOGGER_BACKENDS)}"
+        )
+
+
 class ExperimentLogger:
     """Fan-out of metrics and sample tables to the chosen backends; thread-safe.
 
@@ -464,13 +433,9 @@ class ExperimentLogger:
             return
         if backend in ("metrics", "all"):
             targets = list(self.backends.values())
-        elif backend in LOGGER_BACKENDS:
-            targets = [self.backends[backend]] if backend in self.backends else []
         else:
-            raise ValueError(
-                f"experiment_logger_post: unknown backend {backend!r}; valid choices: "
-                f"metrics, all, samples, {', '.join(LOGGER_BACKENDS)}"
-            )
+            check_backend(backend)
+            targets = [self.backends[backend]] if backend in self.backends else []
         with self._lock:
             step = self._last_step if step is None else int(step)
             self._last_step = max(self._last_step, step)

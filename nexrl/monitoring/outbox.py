@@ -33,7 +33,7 @@ LINGER_S = 0.01
 `flush` sends at once): the calls of a step's burst of tasks then travel in a few Ray
 calls instead of one each (14 -> 6-7 a step with two actors, benchmarks/results/ray.md)."""
 
-QUEUED = frozenset({"start", "end", "increment"})
+QUEUED = frozenset({"start", "end", "increment", "set_training_step", "experiment_logger_post"})
 """The tracker methods an `Outbox` may carry (nothing waits for their results)."""
 
 _BOXES: dict[str, Outbox] = {}
@@ -46,17 +46,17 @@ class Outbox:
     def __init__(self, central: Any) -> None:
         self._central = central
         self._cond = threading.Condition()
-        self._queue: list[tuple[str, tuple]] = []
+        self._queue: list[tuple[str, tuple, dict]] = []
         self._sending = False
         self._flushing = 0  # flush() calls waiting: send without lingering
         self._thread = threading.Thread(target=self._run, name="tracker-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, method: str, *args: Any) -> None:
+    def put(self, method: str, *args: Any, **kwargs: Any) -> None:
         if method not in QUEUED:
             raise ValueError(f"Outbox: {method!r} is not one of the queued calls {set(QUEUED)}")
         with self._cond:
-            self._queue.append((method, args))
+            self._queue.append((method, args, kwargs))
             self._cond.notify_all()
 
     def flush(self, timeout: float = 30.0) -> None:

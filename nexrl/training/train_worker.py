@@ -25,7 +25,7 @@ from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
 from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_to_arrays
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
-from nexrl.monitoring.loggers import with_staleness
+from nexrl.monitoring.samples import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
 from nexrl.training.checkpoint import atomic_directory
 from nexrl.types import DEFAULT_MODEL_TAG, Batch

@@ -84,3 +84,26 @@ def test_versions_are_per_model_tag():
     assert wsc.get_rollout_model_version("a") == 2
     assert wsc.get_rollout_model_version("b") == 1
     assert [u.version for u in client.updates] == [1, 2, 1]
+
+
+def test_wait_for_progress_returns_when_a_step_is_notified_or_times_out():
+    import threading
+    import time
+
+    wsc, pool, _ = make(validate_freq=1)
+    t0 = time.monotonic()
+    assert wsc.wait_for_progress(0, 0.05) == 0  # nothing trained: the timeout
+    assert time.monotonic() - t0 >= 0.05
+    land(wsc, pool)
+    land(wsc, pool)
+    assert pool.get_batch() is not None
+    seen: list[int] = []
+    waiter = threading.Thread(target=lambda: seen.append(wsc.wait_for_progress(0, 30.0)))
+    waiter.start()
+    time.sleep(0.05)
+    assert not seen  # still waiting: no step has ended
+    wsc.train_worker_notify_weight_update("train_worker_0", "default")
+    waiter.join(timeout=5.0)
+    assert seen == [1]  # woken by the step, long before the 30 s timeout
+    assert wsc.is_waiting_for_validation()  # flagged before the waiter woke
+    assert wsc.wait_for_progress(5, 30.0) == 1  # a count it has not seen (a rewind): at once

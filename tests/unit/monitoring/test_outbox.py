@@ -13,9 +13,9 @@ class Recorder:
     """Stands in for the tracker: records each batch it is sent."""
 
     def __init__(self) -> None:
-        self.batches: list[list[tuple[str, tuple]]] = []
+        self.batches: list[list[tuple]] = []
 
-    def apply(self, calls: list[tuple[str, tuple]]) -> None:
+    def apply(self, calls: list[tuple]) -> None:
         self.batches.append(list(calls))
 
 
@@ -29,4 +29,4 @@ def test_calls_within_the_linger_share_a_batch_and_a_flush_sends_at_once(monkeyp
     t0 = time.monotonic()
     box.flush(timeout=30.0)
     assert time.monotonic() - t0 < 2.5  # not the 5 s linger
-    assert central.batches == [[("increment", ("tasks", n)) for n in range(3)]]
+    assert central.batches == [[("increment", ("tasks", n), {}) for n in range(3)]]
