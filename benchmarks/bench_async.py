@@ -59,12 +59,20 @@ VARIANTS: dict[str, list[str]] = {
     "batch-async(1)": ["weight.sync_mode=batch-async", "weight.staleness_threshold=1"],
     # the fully-async default: pushes swap weights under running requests (in-flight)
     "fully-async(1)": ["weight.sync_mode=fully-async", "weight.staleness_threshold=1"],
-    # pushes abort running requests and the task starts over (xtuner's async 1)
+    # pushes abort what still runs after `abort_grace_s` (1 s) and the task starts over
     "fully-async(1)+abort": [
         "weight.sync_mode=fully-async",
         "weight.staleness_threshold=1",
         "weight.inflight_weight_update=false",
         "weight.enable_partial_rollout=false",
+    ],
+    # the same, aborting at once (xtuner's async 1 without over-sending)
+    "fully-async(1)+abort(0s)": [
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=1",
+        "weight.inflight_weight_update=false",
+        "weight.enable_partial_rollout=false",
+        "weight.abort_grace_s=0",
     ],
     "fully-async(1)+partial": [
         "weight.sync_mode=fully-async",

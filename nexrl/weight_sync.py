@@ -220,7 +220,8 @@ class WeightSyncController(NexRLModule):
                 self.sync_weight_to_rollout_service(model_tag)
             elif self.policy.inflight_weight_update:  # swapped between two decode steps
                 self.sync_weight_to_rollout_service(model_tag)
-            else:  # fully-async: the push reaches running requests
+            else:  # fully-async: the push reaches the requests still running after the grace
+                self.admission.wait_idle(model_tag, timeout=self.policy.abort_grace_s)
                 self._llm_client.pause()
                 self._llm_client.abort()
                 try:

@@ -192,6 +192,11 @@ class WeightConfig:
     null: on in fully-async with the built-in engine (measured faster, docs/async.md)
     unless `enable_partial_rollout` or `tail_batch_candidate_steps` ask for aborts;
     false: a push aborts running requests."""
+    abort_grace_s: float = 1.0
+    """fully-async with aborting pushes: a push first lets running rollouts finish for
+    up to this many seconds (no new ones start), then aborts the rest; 0 aborts at once.
+    What finishes in the grace keeps its tokens: on a long tail, aborting at once threw
+    away every running group at each push (docs/async.md)."""
     tail_batch_candidate_steps: int = 0
     """A task aborted more than this many times waits in the tail-batch candidate
     pool (0: no tail batch)."""

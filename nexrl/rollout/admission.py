@@ -404,10 +404,11 @@ class TaskAdmission:
             holds.add(reason) if on else holds.discard(reason)
             self._cond.notify_all()
 
-    def wait_idle(self, tag: ModelTag) -> None:
-        """Until no admitted group of `tag` is generating (batch-async pushes wait for it)."""
+    def wait_idle(self, tag: ModelTag, timeout: float | None = None) -> bool:
+        """Until no admitted group of `tag` is generating (batch-async pushes wait for it),
+        or `timeout` s; False if groups still generate then."""
         with self._cond:
-            self._cond.wait_for(lambda: self._state(tag).generating == 0)
+            return self._cond.wait_for(lambda: self._state(tag).generating == 0, timeout)
 
     def version(self, tag: ModelTag) -> int:
         with self._cond:

@@ -48,6 +48,7 @@ class SamplePolicy:
     tail_batch_candidate_steps: int = 0
     tail_batch_trigger_size: int = 0
     sync_every: int = 1
+    abort_grace_s: float = 0.0
     groups_per_batch: int | None = None  # None: admission off (unit tests of the sync gate)
 
     @classmethod
@@ -71,6 +72,7 @@ class SamplePolicy:
             tail_batch_candidate_steps=config.tail_batch_candidate_steps,
             tail_batch_trigger_size=config.tail_batch_trigger_size,
             sync_every=1 if mode == "sync" else config.sync_every,
+            abort_grace_s=config.abort_grace_s,
             groups_per_batch=groups_per_batch,
         )
         policy.check()
@@ -83,6 +85,7 @@ class SamplePolicy:
             "tail_batch_candidate_steps": self.tail_batch_candidate_steps < 0,
             "tail_batch_trigger_size": self.tail_batch_trigger_size < 0,
             "sync_every": self.sync_every < 1,
+            "abort_grace_s": self.abort_grace_s < 0,
         }
         for key, wrong in bad.items():
             if wrong:

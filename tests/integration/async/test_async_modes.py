@@ -21,6 +21,7 @@ MODES = {
         "weight.staleness_threshold=1",
         "weight.enable_partial_rollout=true",
         "weight.over_sample_threshold=0.5",
+        "weight.abort_grace_s=0",  # pushes abort at once: the partial path runs
     ],
     "fully-async-inflight": [
         "weight.sync_mode=fully-async",
@@ -28,6 +29,14 @@ MODES = {
         "weight.inflight_weight_update=true",
     ],
 }
+
+ABORTING = [  # pushes abort running requests, and every push meets some
+    *MODES["fully-async"],
+    "weight.inflight_weight_update=false",
+    "+service.inference_service.engine.emulated_step_latency_s=0.01",
+    "service.inference_service.engine.max_batch_size=32",
+    "rollout_worker.max_tokens=16",
+]
 
 
 def train_lines(run_dir):
@@ -77,11 +86,8 @@ def test_aborting_pushes_continue_samples_unless_partial_rollout_is_off(async_co
     samples go on from their tokens (partial rollout); with it set to false the task is
     re-queued and starts over."""
     extra = [
-        *MODES["fully-async"],
-        "weight.inflight_weight_update=false",
-        "+service.inference_service.engine.emulated_step_latency_s=0.01",
-        "service.inference_service.engine.max_batch_size=32",
-        "rollout_worker.max_tokens=16",
+        *ABORTING,
+        "weight.abort_grace_s=0",
     ]
     if partial is not None:
         extra.append(f"weight.enable_partial_rollout={str(partial).lower()}")
@@ -92,6 +98,18 @@ def test_aborting_pushes_continue_samples_unless_partial_rollout_is_off(async_co
     assert counters["rollout/aborted_groups"] > 0
     continued = counters.get("rollout/partial_continuations", 0)
     assert continued > 0 if partial is None else continued == 0
+
+
+def test_a_grace_lets_running_rollouts_finish_before_an_aborting_push(async_config):
+    """`weight.abort_grace_s`: a push first waits for the running rollouts (none start
+    meanwhile); with a grace longer than any generation nothing is aborted or redone."""
+    extra = [*ABORTING, "weight.enable_partial_rollout=false", "weight.abort_grace_s=30"]
+    controller = NexRLController(async_config(*extra))
+    controller.run()
+    check_run(controller, "fully-async")
+    counters = controller.activity_tracker.get_counters()
+    assert counters.get("rollout/aborted_groups", 0) == 0
+    assert counters.get("rollout/partial_continuations", 0) == 0
 
 
 def test_inflight_updates_reach_running_requests_without_aborts(async_config):

@@ -36,6 +36,7 @@ def build(engine, path, k=1, f=0.0, partial=False, tail_steps=0, trigger=0, gpb=
         tail_batch_candidate_steps=tail_steps,
         tail_batch_trigger_size=trigger,
         inflight_weight_update=False,  # the table is about what a push's aborts do
+        abort_grace_s=0.0,
     )
     words = ("abcd", "bcde", "cdef", "defg", "efgh", "fghi", "ghij", "hijk")
     items = [{"prompt": f"{w}>", "answer": w} for w in words]

@@ -45,7 +45,12 @@ def test_sync_mode_forces_k_zero_and_sync_every_one():
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("staleness_threshold", -1), ("sync_every", 0), ("over_sample_threshold", -0.1)],
+    [
+        ("staleness_threshold", -1),
+        ("sync_every", 0),
+        ("over_sample_threshold", -0.1),
+        ("abort_grace_s", -1.0),
+    ],
 )
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ValueError, match=f"weight.{key}"):
