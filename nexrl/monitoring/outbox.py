@@ -28,10 +28,11 @@ from nexrl.execute import execute
 
 logger = logging.getLogger(__name__)
 
-LINGER_S = 0.01
+LINGER_S = 0.05
 """How long the sender lets a batch fill after its first call before sending it (a
 `flush` sends at once): the calls of a step's burst of tasks then travel in a few Ray
-calls instead of one each (14 -> 6-7 a step with two actors, benchmarks/results/ray.md)."""
+calls instead of one each, and wake the tracker's process less often (one actor:
+4.5-5 a step at 10 ms, 2.5 at 50 ms; benchmarks/results/ray.md)."""
 
 QUEUED = frozenset({"start", "end", "increment", "set_training_step", "experiment_logger_post"})
 """The tracker methods an `Outbox` may carry (nothing waits for their results)."""
