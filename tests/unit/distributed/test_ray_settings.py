@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -113,3 +115,24 @@ def test_forget_module_drops_only_that_modules_work():
     assert "rollout_worker_0" not in tracker.get_running_status_summary()
     tracker.end(kept)
     assert tracker.is_quiescent()
+
+
+def test_a_local_ray_starts_quiet_unless_the_user_set_the_variables(monkeypatch):
+    """No idle pre-started workers, no metrics collection, actors at the driver's
+    priority: set before `ray.init` (the raylet reads them), a user's own value kept."""
+    from nexrl.distributed import settings as settings_module
+
+    calls: list[dict] = []
+    monkeypatch.setattr(settings_module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(settings_module.ray, "init", lambda **kw: calls.append(kw))
+    for name in settings_module.QUIET_RAY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_enable_metrics_collection", "1")
+    assert settings_module.init_ray(RaySettings.from_config(cfg_with()))
+    assert len(calls) == 1 and "address" not in calls[0]
+    env = {name: os.environ.get(name) for name in settings_module.QUIET_RAY_ENV}
+    assert env == {
+        "RAY_worker_niceness": "0",
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_enable_metrics_collection": "1",  # the user's, kept
+    }
