@@ -61,12 +61,16 @@ class TrainServiceClient:
         self.model_tag = cfg.model_tag
         self._engine: Any = None
         self._http: _Http | None = None
+        self._remote_fills_old_logprobs = False
 
     @property
     def fills_old_logprobs(self) -> bool:
-        """Whether `train_batch` fills missing old logprobs from its own forward (the
-        in-process engine does; the HTTP service does not say so yet)."""
-        return self._engine is not None and getattr(self._engine, "fills_old_logprobs", False)
+        """Whether `train_batch` fills missing old logprobs from its own forward: the
+        in-process engine's flag, or what the HTTP service's `/health` said (False for a
+        service that does not say)."""
+        if self._engine is not None:
+            return bool(getattr(self._engine, "fills_old_logprobs", False))
+        return self._remote_fills_old_logprobs
 
     def initialize(self) -> None:
         """Build the in-process engine, or check that the remote service answers."""
@@ -76,7 +80,8 @@ class TrainServiceClient:
             self._engine = TorchTrainEngine(self.engine_config, self.model_path)
         else:
             self._http = _Http(self.config)
-            self._http.json("GET", "/health", idempotent=True)
+            health = self._http.json("GET", "/health", idempotent=True)
+            self._remote_fills_old_logprobs = bool(health.get("fills_old_logprobs", False))
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """(B, T) logprobs under the current weights."""

@@ -3,7 +3,8 @@
 Endpoints (all POST bodies / tensor responses are safetensors bytes, see `wire.py`;
 control bodies are JSON):
 
-    GET  /health                 {"status": "ok", "step": n, "has_ref": bool}
+    GET  /health                 {"status": "ok", "step": n, "has_ref": bool,
+                                  "fills_old_logprobs": bool}
     POST /compute_logprobs       batch -> {"logprobs": (B, T)}
     POST /compute_ref_logprobs   batch -> {"logprobs": (B, T)}, 204 without a reference
     POST /train_batch            batch + {"loss_fn", "loss_kwargs"} -> JSON metrics
@@ -44,7 +45,14 @@ def create_app(engine: TorchTrainEngine, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "step": engine.step, "has_ref": engine.ref_model is not None}
+        return {
+            "status": "ok",
+            "step": engine.step,
+            "has_ref": engine.ref_model is not None,
+            # `train_batch` without `old_logprobs` takes them from its own forward: the
+            # client then skips its no-grad old-logprob pass (one update per batch)
+            "fills_old_logprobs": bool(getattr(engine, "fills_old_logprobs", False)),
+        }
 
     @app.post("/compute_logprobs", dependencies=[Depends(auth)])
     async def compute_logprobs(request: Request) -> Response:

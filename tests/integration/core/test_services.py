@@ -37,6 +37,10 @@ def test_run_against_nexrl_serve_and_train_service_processes(small_config, tiny_
             f"service.inference_service.url={serve_url}",
             "service.train_service.backend=remote",
             f"service.train_service.url={train_url}",
+            # two optimizer steps a batch: the old-logprob pass runs (one step a batch
+            # skips it, tests/unit/training/test_service.py) and its agreement with the
+            # served logprobs is logged
+            "algorithm.num_mini_batches=2",
         )
         controller = NexRLController(cfg)
         controller.run()

@@ -70,6 +70,49 @@ def test_remote_equals_in_process(server, tiny_model, tmp_path):
     remote.close()
 
 
+def test_remote_client_skips_old_logprobs_when_the_service_fills_them(server, tiny_model):
+    """/health says the service's engine fills missing old logprobs from its own forward,
+    so the client reports `fills_old_logprobs` (the train worker then skips its no-grad
+    pass), and a batch without them trains exactly as in-process."""
+    local = TrainServiceClient({}, ENGINE, tiny_model)
+    remote = TrainServiceClient(
+        {"backend": "remote", "url": server, "api_key": "s3cret", "max_retries": 0},
+        ENGINE,
+        "ignored",
+    )
+    local.initialize()
+    remote.initialize()
+    assert remote.fills_old_logprobs and local.fills_old_logprobs
+    batch = random_batch(6, 12, seed=5)
+    batch.values.pop("old_logprobs")
+    assert remote.train_batch(batch, "ppo_clip", PPO) == local.train_batch(batch, "ppo_clip", PPO)
+
+
+class _NoFill(TorchTrainEngine):
+    fills_old_logprobs = False
+
+
+def test_remote_client_keeps_the_old_pass_for_a_service_that_does_not_fill(tiny_model):
+    port = free_port()
+    app = create_app(_NoFill(ENGINE, tiny_model))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        while not srv.started:
+            time.sleep(0.02)
+        remote = TrainServiceClient(
+            {"backend": "remote", "url": f"http://127.0.0.1:{port}", "max_retries": 0},
+            ENGINE,
+            "ignored",
+        )
+        remote.initialize()
+        assert remote.fills_old_logprobs is False
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_service_rejects_a_wrong_key_and_reports_engine_errors(server):
     body = wire.pack_batch(random_batch(2, 6))
     assert httpx.post(f"{server}/compute_logprobs", content=body).status_code == 401
