@@ -39,7 +39,9 @@ def server(tiny_model):
     thread.join(timeout=10)
 
 
-def test_remote_equals_in_process(server, tiny_model, tmp_path):
+@pytest.fixture
+def clients(server, tiny_model) -> tuple[TrainServiceClient, TrainServiceClient]:
+    """(in-process, remote) clients of the same engine config, both initialized."""
     local = TrainServiceClient({}, ENGINE, tiny_model)
     remote = TrainServiceClient(
         {"backend": "remote", "url": server, "api_key": "s3cret", "max_retries": 0},
@@ -48,6 +50,11 @@ def test_remote_equals_in_process(server, tiny_model, tmp_path):
     )
     local.initialize()
     remote.initialize()
+    return local, remote
+
+
+def test_remote_equals_in_process(clients, tmp_path):
+    local, remote = clients
     batch = random_batch(6, 12, seed=11)
     batch.values["uid"] = [f"u{i}" for i in range(6)]  # non-tensor fields stay behind
     torch.testing.assert_close(
@@ -70,18 +77,11 @@ def test_remote_equals_in_process(server, tiny_model, tmp_path):
     remote.close()
 
 
-def test_remote_client_skips_old_logprobs_when_the_service_fills_them(server, tiny_model):
+def test_remote_client_skips_old_logprobs_when_the_service_fills_them(clients):
     """/health says the service's engine fills missing old logprobs from its own forward,
     so the client reports `fills_old_logprobs` (the train worker then skips its no-grad
     pass), and a batch without them trains exactly as in-process."""
-    local = TrainServiceClient({}, ENGINE, tiny_model)
-    remote = TrainServiceClient(
-        {"backend": "remote", "url": server, "api_key": "s3cret", "max_retries": 0},
-        ENGINE,
-        "ignored",
-    )
-    local.initialize()
-    remote.initialize()
+    local, remote = clients
     assert remote.fills_old_logprobs and local.fills_old_logprobs
     batch = random_batch(6, 12, seed=5)
     batch.values.pop("old_logprobs")
