@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -21,22 +23,29 @@ ENGINE = {"lr": 1e-3, "ref_model_path": None}
 PPO = {"clip_low": 0.2, "clip_high": 0.28}
 
 
-@pytest.fixture
-def server(tiny_model):
-    """A real uvicorn server on a free port, in a thread; yields its URL."""
-    engine = TorchTrainEngine(ENGINE, tiny_model)
+@contextlib.contextmanager
+def serving(engine: TorchTrainEngine, api_key: str | None = None) -> Iterator[str]:
+    """A real uvicorn server of `engine` on a free port, in a thread; yields its URL."""
     port = free_port()
     config = uvicorn.Config(
-        create_app(engine, api_key="s3cret"), host="127.0.0.1", port=port, log_level="warning"
+        create_app(engine, api_key=api_key), host="127.0.0.1", port=port, log_level="warning"
     )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        while not srv.started:
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def server(tiny_model):
+    with serving(TorchTrainEngine(ENGINE, tiny_model), api_key="s3cret") as url:
+        yield url
 
 
 @pytest.fixture
@@ -93,24 +102,10 @@ class _NoFill(TorchTrainEngine):
 
 
 def test_remote_client_keeps_the_old_pass_for_a_service_that_does_not_fill(tiny_model):
-    port = free_port()
-    app = create_app(_NoFill(ENGINE, tiny_model))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        while not srv.started:
-            time.sleep(0.02)
-        remote = TrainServiceClient(
-            {"backend": "remote", "url": f"http://127.0.0.1:{port}", "max_retries": 0},
-            ENGINE,
-            "ignored",
-        )
+    with serving(_NoFill(ENGINE, tiny_model)) as url:
+        remote = TrainServiceClient({"backend": "remote", "url": url}, ENGINE, "ignored")
         remote.initialize()
         assert remote.fills_old_logprobs is False
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_service_rejects_a_wrong_key_and_reports_engine_errors(server):
