@@ -8,8 +8,9 @@ AdamW lr 3e-4, grad clip 1.0 - the default config. The minimal loop below is the
 floor: HF `generate`, reward, one torch forward / backward / step, nothing else.
 
 Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
-fully-async (staleness 1, in-flight weight updates); with several seeds, seed by seed
-(each seed's three runs back to back), so a machine whose speed drifts during the
+fully-async (staleness 1, in-flight weight updates), and the same fully-async with the
+trainer in a child process (`service.train_service.backend=process`); with several
+seeds, seed by seed (each seed's four runs back to back), so a machine whose speed drifts during the
 benchmark moves every side alike. Validation is off on the
 nexrl side so both report the same thing: median seconds per step and the
 seconds (sum of step times, start-up excluded) until the train reward, averaged
@@ -62,6 +63,14 @@ NEXRL_VARIANTS = {
         "weight.sync_mode=fully-async",
         "weight.staleness_threshold=1",
         "weight.inflight_weight_update=true",
+    ],
+    # the same with the trainer in a child process: no interpreter lock shared with the
+    # engine and rollout threads that run beside the update
+    "nexrl fully-async(1)+inflight+trainer process": [
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=1",
+        "weight.inflight_weight_update=true",
+        "service.train_service.backend=process",
     ],
 }
 
@@ -265,12 +274,15 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None
     base = results["minimal loop"]
     out: dict[str, float | None] = {}
     for name in NEXRL_VARIANTS:
-        key = name.replace("nexrl ", "").replace("(1)+inflight", "")
-        out[f"nexrl_{key}_vs_minimal_s_to_0.9"] = _ratio(results[name], base, "s_to_target")
+        out[f"nexrl_{_key(name)}_vs_minimal_s_to_0.9"] = _ratio(results[name], base, "s_to_target")
     for name in reversed(NEXRL_VARIANTS):
-        key = name.replace("nexrl ", "").replace("(1)+inflight", "")
-        out[f"nexrl_{key}_vs_minimal_step_s"] = _ratio(results[name], base, "step_s")
+        out[f"nexrl_{_key(name)}_vs_minimal_step_s"] = _ratio(results[name], base, "step_s")
     return out
+
+
+def _key(name: str) -> str:
+    """'nexrl fully-async(1)+inflight+trainer process' -> 'fully-async+trainer-process'."""
+    return name.replace("nexrl ", "").replace("(1)+inflight", "").replace(" ", "-")
 
 
 def per_seed_lines(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -1,8 +1,10 @@
 """`TrainServiceClient`: what the TrainWorker holds to reach a train engine.
 
-Two backends behind one class, chosen by `service.train_service.backend`:
+Three backends behind one class, chosen by `service.train_service.backend`:
 
 - "builtin" (default): a `TorchTrainEngine` in this process;
+- "process": a `TorchTrainEngine` in a child process of its own, weights through
+  shared memory (`ProcessTrainEngine`);
 - "remote": the HTTP train service (`nexrl train-service`) at `url`.
 
 The client adds only transport concerns (timeouts, retries, auth); no
@@ -25,7 +27,7 @@ from nexrl.training import wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
 
-BACKENDS = ("builtin", "remote")
+BACKENDS = ("builtin", "process", "remote")
 
 
 def as_service_config(config: TrainServiceConfig | Mapping[str, Any] | None) -> TrainServiceConfig:
@@ -41,7 +43,8 @@ def as_service_config(config: TrainServiceConfig | Mapping[str, Any] | None) -> 
 
 
 class TrainServiceClient:
-    """Train engine handle: in-process ("builtin") or over HTTP ("remote")."""
+    """Train engine handle: in-process ("builtin"), in a child process ("process") or
+    over HTTP ("remote")."""
 
     def __init__(
         self,
@@ -73,11 +76,16 @@ class TrainServiceClient:
         return self._remote_fills_old_logprobs
 
     def initialize(self) -> None:
-        """Build the in-process engine, or check that the remote service answers."""
+        """Build the engine (here or in its child process), or check that the remote
+        service answers."""
         if self.backend == "builtin":
             from nexrl.training.torch_engine import TorchTrainEngine
 
             self._engine = TorchTrainEngine(self.engine_config, self.model_path)
+        elif self.backend == "process":
+            from nexrl.training.process_engine import ProcessTrainEngine
+
+            self._engine = ProcessTrainEngine(self.engine_config, self.model_path)
         else:
             self._http = _Http(self.config)
             health = self._http.json("GET", "/health", idempotent=True)
@@ -134,6 +142,8 @@ class TrainServiceClient:
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
+        if self._engine is not None and hasattr(self._engine, "close"):
+            self._engine.close()
 
     def _remote(self) -> _Http:
         if self._http is None:

@@ -28,6 +28,7 @@ from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.samples import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
 from nexrl.training.checkpoint import atomic_directory
+from nexrl.training.client import TrainServiceClient
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,8 @@ class TrainWorker(LoopModule):
         super().stop()
         if self._weights_in_memory and not self._engine_elsewhere():  # release the last copy
             forget_in_memory(self._sync_weight_path)
+        if isinstance(self._client, TrainServiceClient):  # its HTTP client or train process
+            self._client.close()
 
     def _engine_elsewhere(self) -> bool:
         """The weight-sync controller (and so the engine) runs in another process (Ray)."""

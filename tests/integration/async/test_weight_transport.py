@@ -51,3 +51,31 @@ def test_memory_transport_without_an_engine_beside_the_pusher_is_a_config_error(
                 "service.inference_service.url=http://127.0.0.1:1",
             ]
         )
+
+
+@pytest.mark.parametrize("transport", ["memory", "file"])
+def test_a_trainer_in_its_own_process_pushes_what_it_trained(async_config, transport):
+    """`service.train_service.backend=process`: the final checkpoint (written by the child
+    at the last step) holds exactly the weights the engine serves."""
+    from safetensors.torch import load_file
+
+    controller = NexRLController(
+        async_config(
+            "service.train_service.backend=process",
+            f"weight.transport={transport}",
+            "weight.sync_mode=fully-async",
+            "weight.staleness_threshold=1",
+            "weight.inflight_weight_update=true",
+        )
+    )
+    controller.run()
+    worker = controller.system.train_workers[0]
+    assert not worker._client._engine._proc.is_alive()  # the run's end stopped the child
+    trained: dict[str, torch.Tensor] = {}
+    for part in (worker._checkpoint_path / "global_step_4").glob("*.safetensors"):
+        trained.update(load_file(part))
+    engine = controller.system.weight_sync_controller._llm_client._engine
+    served = engine.model.state_dict()
+    assert engine.version == 4 and trained
+    for name, tensor in trained.items():
+        assert torch.equal(served[name], tensor), name

@@ -1,0 +1,109 @@
+"""`service.train_service.backend=process`: the train engine in a child process gives
+exactly the in-process engine's results, its weights cross through shared memory,
+and its failures reach the caller by name."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import pytest
+import torch
+
+from nexrl.training.client import TrainServiceClient
+from nexrl.training.synthetic import random_batch
+from nexrl.training.torch_engine import TorchTrainEngine
+
+ENGINE = {"lr": 1e-3, "ref_model_path": None}
+PPO = {"clip_low": 0.2, "clip_high": 0.28}
+
+
+def _buffer_files() -> set[str]:
+    return set(glob.glob("/dev/shm/nexrl-train-weights-*")) | set(
+        glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "nexrl-train-weights-*"))
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    """(in-process, child-process) clients of the same engine config, both initialized."""
+    local = TrainServiceClient({}, ENGINE, tiny_model)
+    child = TrainServiceClient({"backend": "process"}, ENGINE, tiny_model)
+    local.initialize()
+    child.initialize()
+    yield local, child
+    child.close()
+
+
+def test_child_process_trains_exactly_like_in_process(pair, tmp_path):
+    local, child = pair
+    assert child.fills_old_logprobs == local.fills_old_logprobs is True
+    assert child._engine.pid != os.getpid()
+    before = _buffer_files()
+    for seed in (1, 2):
+        batch = random_batch(6, 12, seed=seed)
+        batch.values["uid"] = [f"u{i}" for i in range(6)]  # non-tensor fields stay behind
+        torch.testing.assert_close(
+            child.compute_logprobs(batch), local.compute_logprobs(batch), atol=0, rtol=0
+        )
+        assert child.compute_ref_logprobs(batch) is None
+        assert child.train_batch(batch, "ppo_clip", PPO) == local.train_batch(
+            batch, "ppo_clip", PPO
+        )
+        w_child, w_local = child.export_weights(), local.export_weights()
+        assert list(w_child) == list(w_local)
+        assert all(torch.equal(w_child[k], w_local[k]) for k in w_local)
+    assert child.get_step() == local.get_step() == 2
+    assert _buffer_files() == before  # the shared buffer is unlinked once both mapped it
+    # an export is a copy: the next step does not change what the caller holds
+    held = child.export_weights()
+    frozen = {k: v.clone() for k, v in held.items()}
+    child.train_batch(random_batch(6, 12, seed=3), "ppo_clip", PPO)
+    assert all(torch.equal(held[k], frozen[k]) for k in held)
+    assert not all(torch.equal(held[k], v) for k, v in child.export_weights().items())
+    local.train_batch(random_batch(6, 12, seed=3), "ppo_clip", PPO)  # keep the pair equal
+
+
+def test_checkpoints_and_hf_exports_cross_between_backends(pair, tmp_path, tiny_model):
+    local, child = pair
+    child.save_checkpoint(str(tmp_path / "ck"))
+    resumed = TorchTrainEngine(ENGINE, tiny_model)
+    resumed.load(str(tmp_path / "ck"))
+    assert resumed.step == child.get_step()
+    weights = child.export_weights()
+    assert all(torch.equal(resumed.export_weights()[k], weights[k]) for k in weights)
+    assert child.export_weights(str(tmp_path / "hf")) == str(tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    child.load_checkpoint(str(tmp_path / "ck"))  # and back into the child
+    assert child.get_step() == resumed.step
+
+
+def test_errors_name_the_call_and_the_engine_keeps_serving(pair):
+    _, child = pair
+    batch = random_batch(4, 8, seed=5)
+    with pytest.raises((KeyError, ValueError), match="no_such_loss"):
+        child.train_batch(batch, "no_such_loss", {})
+    with pytest.raises(FileNotFoundError, match="train process, load"):
+        child.load_checkpoint("/nonexistent/checkpoint")
+    assert child.compute_logprobs(batch).shape == batch.values["input_ids"].shape
+
+
+def test_a_dead_train_process_fails_the_next_call_with_its_exit(tiny_model):
+    client = TrainServiceClient({"backend": "process"}, ENGINE, tiny_model)
+    client.initialize()
+    os.kill(client._engine.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="train process .* ended during 'train_batch'.*SIGKILL"):
+        client.train_batch(random_batch(4, 8, seed=5), "ppo_clip", PPO)
+    client.close()
+
+
+def test_close_stops_the_child_and_a_bad_model_fails_start_up(tiny_model, tmp_path):
+    client = TrainServiceClient({"backend": "process"}, ENGINE, tiny_model)
+    client.initialize()
+    proc = client._engine._proc
+    client.close()
+    assert not proc.is_alive() and proc.exitcode == 0
+    broken = TrainServiceClient({"backend": "process"}, ENGINE, str(tmp_path / "missing"))
+    with pytest.raises(Exception, match="missing"):
+        broken.initialize()
