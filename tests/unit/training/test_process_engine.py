@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,3 +108,30 @@ def test_close_stops_the_child_and_a_bad_model_fails_start_up(tiny_model, tmp_pa
     broken = TrainServiceClient({"backend": "process"}, ENGINE, str(tmp_path / "missing"))
     with pytest.raises(Exception, match="missing"):
         broken.initialize()
+
+
+def test_the_shared_buffer_holds_mixed_dtypes_and_odd_sizes_exactly(monkeypatch, tmp_path):
+    """The layout aligns every tensor; a new layout (other shapes) makes a new buffer; a
+    /dev/shm without room sends the buffer to the temp folder."""
+    from nexrl.training import process_engine as pe
+
+    state = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(11, dtype=torch.int64),
+        "d": torch.tensor(2.5, dtype=torch.float16),
+    }
+    served = pe._Served(engine=None)
+    first = served.export(state)
+    assert first["file"] and all(offset % 64 == 0 for *_, offset in first["layout"])
+    views = pe._views(first["file"], first["layout"], first["nbytes"])
+    os.unlink(first["file"])
+    assert all(torch.equal(views[k], v) and views[k].dtype == v.dtype for k, v in state.items())
+    state["a"] += 1  # same layout: written in place, no new file
+    assert served.export(state) == {"file": None} and torch.equal(views["a"], state["a"])
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(pe.tempfile, "tempdir", None)
+    monkeypatch.setattr(pe.shutil, "disk_usage", lambda _: SimpleNamespace(free=0))
+    grown = served.export({**state, "e": torch.zeros(2)})
+    assert grown["file"].startswith(str(tmp_path)) and len(grown["layout"]) == 5
+    os.unlink(grown["file"])
