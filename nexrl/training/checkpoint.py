@@ -73,12 +73,16 @@ def _options(cpu_offload: bool = True) -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload and distributed)
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded state dict as independent CPU tensors (no shared storage)."""
+def full_model_state(model: torch.nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded state dict as independent CPU tensors (no shared storage); with `copy`
+    False, an unsharded module's own tensors, detached (for a caller that copies them
+    elsewhere at once: the child-process trainer's shared buffer)."""
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     # the distributed gather costs ~3 ms of Python per call on a plain module: the weight
     # export runs it every step, so a module with no sharded parameter reads its own
     state = get_model_state_dict(model, options=_options()) if sharded else model.state_dict()
+    if not copy:
+        return {k: v.detach() for k, v in state.items()}
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 

@@ -222,7 +222,7 @@ class _Served:
         if op == "export":
             if args.get("path"):
                 return {}, engine.export_weights(args["path"])
-            return {}, self.export(engine.export_weights(None))
+            return {}, self.export(engine.export_weights(None, copy=False))
         raise ValueError(f"unknown op {op!r}")
 
     def export(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:

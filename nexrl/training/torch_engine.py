@@ -312,10 +312,14 @@ class TorchTrainEngine:
         else:
             checkpoint.load(self, path)
 
-    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+    def export_weights(
+        self, path: str | None = None, copy: bool = True
+    ) -> dict[str, torch.Tensor] | str:
         """Full state dict as CPU tensors, or an HF directory written at `path` (returned).
 
         With LoRA: the base weights with the adapters merged in, under the base names.
+        `copy=False` (no `path`): the model's own tensors where it has them, for a caller
+        that copies them before the next step.
         """
         if is_peft(self.model):
             state = merged_state_dict(self.model)
@@ -323,7 +327,7 @@ class TorchTrainEngine:
                 rank=self.rank, model=self.model.get_base_model(), model_path=self.model_path
             )
         else:
-            state, target = checkpoint.full_model_state(self.model), self
+            state, target = checkpoint.full_model_state(self.model, copy or path is not None), self
         if path is None:
             return state
         checkpoint.write_hf(target, path, state)

@@ -90,9 +90,17 @@ def test_errors_name_the_call_and_the_engine_keeps_serving(pair):
     assert child.compute_logprobs(batch).shape == batch.values["input_ids"].shape
 
 
-def test_a_dead_train_process_fails_the_next_call_with_its_exit(tiny_model):
-    client = TrainServiceClient({"backend": "process"}, ENGINE, tiny_model)
+def test_lora_exports_merged_weights_then_a_dead_process_fails_the_next_call(tiny_model):
+    lora = {**ENGINE, "lora": {"rank": 4, "alpha": 8}}
+    client = TrainServiceClient({"backend": "process"}, lora, tiny_model)
     client.initialize()
+    local = TrainServiceClient({}, lora, tiny_model)
+    local.initialize()
+    for each in (client, local):
+        each.train_batch(random_batch(6, 12, seed=1), "ppo_clip", PPO)
+    merged, expected = client.export_weights(), local.export_weights()
+    assert list(merged) == list(expected) and not any("lora" in k for k in merged)
+    assert all(torch.equal(merged[k], expected[k]) for k in expected)
     os.kill(client._engine.pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="train process .* ended during 'train_batch'.*SIGKILL"):
         client.train_batch(random_batch(4, 8, seed=5), "ppo_clip", PPO)
