@@ -23,7 +23,6 @@ then names the buffer file and its layout whenever they are new) and shutdown.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -38,8 +37,6 @@ from nexrl.inference.health import describe_exit
 from nexrl.training import wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
-
-logger = logging.getLogger(__name__)
 
 _ERRORS: dict[str, type[Exception]] = {
     e.__name__: e for e in (ValueError, KeyError, TypeError, FileNotFoundError, OSError)
@@ -194,7 +191,6 @@ def child_main(conn: Any, config: EngineConfig, model_path: str, threads: int) -
             out, result = served.handle(args, tensors)
             reply = wire.pack(out, {"step": engine.step, "result": result})
         except Exception as exc:
-            logger.debug("train process op failed:\n%s", traceback.format_exc())
             reply = wire.pack({}, {"error": _described(exc)})
         conn.send_bytes(reply)
 
@@ -271,6 +267,9 @@ def _buffer_file(nbytes: int) -> str:
 
 
 def _described(exc: BaseException) -> list[str]:
-    """[its type, its nearest built-in type (raised again in the parent), its message]."""
+    """[its type, its nearest built-in type (raised again in the parent), its message
+    with where it was raised]."""
     base = next(c for c in type(exc).__mro__ if c.__module__ == "builtins")
-    return [type(exc).__name__, base.__name__, str(exc)]
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return [type(exc).__name__, base.__name__, f"{exc}{where}"]
