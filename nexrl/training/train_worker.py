@@ -275,7 +275,9 @@ class TrainWorker(LoopModule):
         super().stop()
         if self._weights_in_memory and not self._engine_elsewhere():  # release the last copy
             forget_in_memory(self._sync_weight_path)
-        if isinstance(self._client, TrainServiceClient):  # its HTTP client or train process
+        if isinstance(self._client, TrainServiceClient):
+            # its HTTP connection or child train process; a Ray data-parallel client's
+            # rank actors are released with the run's Ray resources instead
             self._client.close()
 
     def _engine_elsewhere(self) -> bool:
