@@ -47,7 +47,7 @@ import logging
 import time
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from nexrl.distributed.recovery import (
     ActorRestartedError,
@@ -74,6 +74,18 @@ def build_system(cfg: DictConfig) -> ModuleSystem:
     return LocalSystem(cfg)
 
 
+def _prestart_trainer(cfg: DictConfig) -> Any:
+    """With the trainer in a child process of this one, spawn it now: its imports overlap
+    the building of the run (`process_engine.prestart`). Returns that module, or None."""
+    backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
+    if cfg.launch_mode != "local" or backend != "process":
+        return None
+    from nexrl.training import process_engine
+
+    process_engine.prestart()
+    return process_engine
+
+
 class TrainingAborted(RuntimeError):
     """The error policy stopped the run, or a module died."""
 
@@ -81,9 +93,15 @@ class TrainingAborted(RuntimeError):
 class NexRLController:
     def __init__(self, config: DictConfig) -> None:
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
-        self._config = resolve_run_config(config)
+        spare = _prestart_trainer(config)
+        try:
+            self._config = resolve_run_config(config)
+            self.system = build_system(self._config)
+        except BaseException:
+            if spare:
+                spare.discard_spare()
+            raise
         self.run_dir = self._config.run_dir
-        self.system = build_system(self._config)
         self.activity_tracker = self.system.activity_tracker
         self._tag: ModelTag = DEFAULT_MODEL_TAG
         self._last_validated_step: int | None = None

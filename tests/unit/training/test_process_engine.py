@@ -107,10 +107,33 @@ def test_lora_exports_merged_weights_then_a_dead_process_fails_the_next_call(tin
     client.close()
 
 
-def test_a_bad_model_fails_start_up_naming_it(tmp_path):
+def test_a_prestarted_child_is_taken_and_a_bad_model_fails_start_up_naming_it(tmp_path):
+    """The engine takes the child `prestart` spawned; the child names the bad path."""
+    from nexrl.training import process_engine as pe
+
+    pe.prestart()
+    spare = pe._spare[0]
     broken = TrainServiceClient({"backend": "process"}, ENGINE, str(tmp_path / "missing"))
     with pytest.raises(Exception, match="missing"):
         broken.initialize()
+    assert pe._spare is None
+    spare.join(timeout=10)
+    assert spare.exitcode == 0  # it served the start (with the error) and returned
+
+
+def test_a_controller_that_fails_to_build_stops_its_prestarted_child(tmp_path, monkeypatch):
+    from nexrl.config import load_config
+    from nexrl.controller import NexRLController
+    from nexrl.training import process_engine as pe
+
+    spawned = []
+    spawn = pe._spawn
+    monkeypatch.setattr(pe, "_spawn", lambda: spawned.append(spawn()) or spawned[-1])
+    overrides = ["service.train_service.backend=process", f"output_dir={tmp_path}"]
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        NexRLController(load_config([*overrides, f"model_path={tmp_path / 'nowhere'}"]))
+    assert pe._spare is None and len(spawned) == 1
+    assert spawned[0][0].exitcode == -signal.SIGKILL
 
 
 def test_the_shared_buffer_holds_mixed_dtypes_and_odd_sizes_exactly(monkeypatch, tmp_path):
