@@ -10,13 +10,15 @@ floor: HF `generate`, reward, one torch forward / backward / step, nothing else.
 Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
 fully-async (staleness 1, in-flight weight updates), and the same fully-async with the
 trainer in a child process (`service.train_service.backend=process`); with several
-seeds, seed by seed (each seed's four runs back to back), so a machine whose speed drifts during the
-benchmark moves every side alike. Validation is off on the
-nexrl side so both report the same thing: median seconds per step and the
-seconds (sum of step times, start-up excluded) until the train reward, averaged
-over the last 5 steps, first reaches 0.9. The split: "rollout s" is HF `generate` in
-the minimal loop and `timing/wait_s` (the wait for the batch) on the nexrl side;
-"update s" is the forward / backward / optimizer step (`timing/update_s`).
+seeds, seed by seed (each seed's four runs back to back), so a machine whose speed
+drifts during the benchmark moves every side alike. Validation is off on the nexrl
+side so both report the same thing: median seconds per step and the seconds (sum of
+step times, start-up excluded) until the train reward, averaged over the last 5
+steps, first reaches 0.9; and, with each side's start-up counted, its start-up (from
+the start of the run, before the model loads, to its first step) and the wall-clock
+to 0.9 (nexrl's from the `time` of its metrics lines). The split: "rollout s" is HF
+`generate` in the minimal loop and `timing/wait_s` (the wait for the batch) on the
+nexrl side; "update s" is the forward / backward / optimizer step (`timing/update_s`).
 
     python benchmarks/bench_e2e.py                # until 0.9 or 600 steps each
     python benchmarks/bench_e2e.py --steps 60     # a partial run: s/step ratios only
@@ -100,6 +102,7 @@ def minimal_grpo(
     model_path: Path, rows: list[dict], prompts: int, group: int, steps: int, seed: int
 ) -> list[dict[str, float]]:
     """The floor of any GRPO trainer: sample, score, normalise per group, one step."""
+    start = time.time()  # start-up (tokenizer and model load) counts in `since_start_s`
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -148,6 +151,7 @@ def minimal_grpo(
                 "step_s": t2 - t0,
                 "gen_s": t_gen,
                 "update_s": t2 - t1,
+                "since_start_s": time.time() - start,
             }
         )
         if (step + 1) % 25 == 0:
@@ -162,6 +166,7 @@ def minimal_grpo(
 
 def nexrl_run(overrides: list[str]) -> list[dict[str, float]]:
     shutdown_local_engines()
+    start = time.time()  # start-up (building the run, the engines) counts in `since_start_s`
     controller = NexRLController(load_config(overrides))
     controller.run()
     lines = Path(controller.run_dir, "metrics.jsonl").read_text().splitlines()
@@ -172,22 +177,27 @@ def nexrl_run(overrides: list[str]) -> list[dict[str, float]]:
             "step_s": x["timing/step_s"],
             "gen_s": x["timing/wait_s"],  # the rollout side, as the train worker sees it
             "update_s": x["timing/update_s"],
+            "since_start_s": x["time"] - start,  # when the step's line was logged
         }
         for x in train
     ]
 
 
 def summarise(history: list[dict[str, float]]) -> dict[str, Any]:
-    """Median s/step (the first step, with start-up, left out) and time to TARGET."""
+    """Median s/step (the first step, with start-up, left out), time to TARGET (the sum
+    of step times, start-up excluded), start-up (from the start of the run to the first
+    step's start) and wall-clock to TARGET with start-up."""
     steady = history[1:] or history[:1]
-    elapsed, to_target, steps_to = 0.0, None, None
+    elapsed, to_target, steps_to, wall_to = 0.0, None, None, None
     for i, h in enumerate(history):
         elapsed += h["step_s"]
         recent = [x["reward"] for x in history[max(0, i - WINDOW + 1) : i + 1]]
         if i + 1 >= WINDOW and statistics.fmean(recent) >= TARGET:
-            to_target, steps_to = elapsed, i + 1
+            to_target, steps_to, wall_to = elapsed, i + 1, h["since_start_s"]
             break
     return {
+        "startup_s": history[0]["since_start_s"] - history[0]["step_s"],
+        "wall_to_target": wall_to,
         "steps": len(history),
         "step_s": statistics.median(h["step_s"] for h in steady),
         "gen_s": statistics.median(h["gen_s"] for h in steady),
@@ -205,11 +215,11 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return {**runs[0], "s_to_target_runs": [runs[0]["s_to_target"]]}
     out: dict[str, Any] = {
         k: statistics.median(r[k] for r in runs)
-        for k in ("steps", "step_s", "gen_s", "update_s", "final_reward")
+        for k in ("steps", "step_s", "gen_s", "update_s", "final_reward", "startup_s")
     }
     reached = [r for r in runs if r["s_to_target"] is not None]
     enough = 2 * len(reached) >= len(runs)
-    for key in ("s_to_target", "steps_to_target"):
+    for key in ("s_to_target", "steps_to_target", "wall_to_target"):
         out[key] = statistics.median(r[key] for r in reached) if enough else None
     out["s_to_target_runs"] = [r["s_to_target"] for r in runs]
     return out
@@ -275,6 +285,9 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None
     out: dict[str, float | None] = {}
     for name in NEXRL_VARIANTS:
         out[f"nexrl_{_key(name)}_vs_minimal_s_to_0.9"] = _ratio(results[name], base, "s_to_target")
+    for name in NEXRL_VARIANTS:  # the same with each side's start-up counted
+        key = f"nexrl_{_key(name)}_vs_minimal_wall_to_0.9_with_startup"
+        out[key] = _ratio(results[name], base, "wall_to_target")
     for name in reversed(NEXRL_VARIANTS):
         out[f"nexrl_{_key(name)}_vs_minimal_step_s"] = _ratio(results[name], base, "step_s")
     return out
@@ -321,15 +334,16 @@ def write(
         " (figures: medians over them).",
         "",
         "| run | steps | median s/step | rollout s | update s | steps to 0.9 | s to 0.9 "
-        "| s to 0.9 of each run | final reward (last 5) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| s to 0.9 of each run | final reward (last 5) | start-up s | wall s to 0.9 with it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         each = ", ".join(_fmt(x) for x in r["s_to_target_runs"])
         lines.append(
             f"| {name} | {r['steps']:.0f} | {r['step_s']:.3f} | {r['gen_s']:.3f} | "
             f"{r['update_s']:.3f} | {_fmt(r['steps_to_target'], 0)} | "
-            f"{_fmt(r['s_to_target'])} | {each} | {r['final_reward']:.3f} |"
+            f"{_fmt(r['s_to_target'])} | {each} | {r['final_reward']:.3f} | "
+            f"{r['startup_s']:.1f} | {_fmt(r['wall_to_target'])} |"
         )
     lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items())]
     lines += [*per_seed_lines(results), ""]

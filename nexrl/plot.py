@@ -63,6 +63,7 @@ PANELS = (
 
 
 Series = dict[str, list[tuple[int, float]]]
+AXES = ("step", "time")  # what every line has: the x-axis and when it was logged
 
 
 def read_metrics(path: str | Path) -> Series:
@@ -84,7 +85,7 @@ def read_metrics(path: str | Path) -> Series:
         if "step" not in row:
             raise ValueError(f"{path}:{number}: a metrics line without 'step'")
         for key, value in row.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+            if isinstance(value, int | float) and not isinstance(value, bool) and key not in AXES:
                 by_key.setdefault(key, {})[int(row["step"])] = float(value)
     return {key: sorted(points.items()) for key, points in by_key.items()}
 

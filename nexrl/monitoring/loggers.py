@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -138,7 +139,8 @@ def keep_steps_up_to(path: Path, step: int) -> None:
 
 
 class JsonlBackend:
-    """Appends one JSON object per call to `<run_dir>/metrics.jsonl`, flushed per line.
+    """Appends one JSON object per call to `<run_dir>/metrics.jsonl` (with `step` and the
+    wall-clock `time`), flushed per line.
 
     Sample tables go to `<run_dir>/samples.jsonl`, one row per line with `step`.
     Both files are opened for append, so a resumed run continues them.
@@ -157,7 +159,10 @@ class JsonlBackend:
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
-        line = json.dumps({"step": step, **data}, default=_to_jsonable)
+        # `time`: when it was logged (Unix seconds), as the trackers record for each point
+        line = json.dumps(
+            {"step": step, "time": round(time.time(), 3), **data}, default=_to_jsonable
+        )
         self._file.write(line + "\n")
         self._file.flush()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ def test_jsonl_writes_one_valid_object_per_line_with_step(tmp_path) -> None:
     log.post("wandb", data={"dropped": 1}, step=3)  # known backend, not enabled
     log.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    times = [row.pop("time") for row in rows]  # when each was logged, in order
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 60
     assert rows == [
         {"step": 1, "reward": 0.25, "hist": [1, 2]},
         {"step": 1, "val/reward": 0.5},
