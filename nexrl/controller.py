@@ -78,7 +78,7 @@ def _prestart_trainer(cfg: DictConfig) -> Any:
     """With the trainer in a child process of this one, spawn it now: its imports overlap
     the building of the run (`process_engine.prestart`). Returns that module, or None."""
     backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
-    if cfg.launch_mode != "local" or backend != "process":
+    if OmegaConf.select(cfg, "launch_mode", default="local") != "local" or backend != "process":
         return None
     from nexrl.training import process_engine
 
