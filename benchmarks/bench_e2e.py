@@ -186,7 +186,8 @@ def nexrl_run(overrides: list[str]) -> list[dict[str, float]]:
 def summarise(history: list[dict[str, float]]) -> dict[str, Any]:
     """Median s/step (the first step, with start-up, left out), time to TARGET (the sum
     of step times, start-up excluded), start-up (from the start of the run to the first
-    step's start) and wall-clock to TARGET with start-up."""
+    step's start; on the nexrl side that includes the first batch's rollouts, which the
+    minimal loop counts in its first step) and wall-clock to TARGET with start-up."""
     steady = history[1:] or history[:1]
     elapsed, to_target, steps_to, wall_to = 0.0, None, None, None
     for i, h in enumerate(history):
