@@ -121,6 +121,16 @@ def test_a_prestarted_child_is_taken_and_a_bad_model_fails_start_up_naming_it(tm
     assert spare.exitcode == 0  # it served the start (with the error) and returned
 
 
+def test_a_spare_child_that_died_is_dropped_not_taken(monkeypatch):
+    from nexrl.training import process_engine as pe
+
+    closed = []
+    dead = SimpleNamespace(is_alive=lambda: False)
+    monkeypatch.setattr(pe, "_spare", (dead, SimpleNamespace(close=lambda: closed.append(1))))
+    assert pe._take_spare() is None  # the engine then spawns a fresh child
+    assert closed == [1] and pe._spare is None
+
+
 def test_a_controller_that_fails_to_build_stops_its_prestarted_child(tmp_path, monkeypatch):
     from nexrl.config import load_config
     from nexrl.controller import NexRLController
