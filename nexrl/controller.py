@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -74,16 +75,17 @@ def build_system(cfg: DictConfig) -> ModuleSystem:
     return LocalSystem(cfg)
 
 
-def _prestart_trainer(cfg: DictConfig) -> Any:
+def _prestart_trainer(cfg: DictConfig) -> Callable[[], None] | None:
     """With the trainer in a child process of this one, spawn it now: its imports overlap
-    the building of the run (`process_engine.prestart`). Returns that module, or None."""
+    the building of the run (`process_engine.prestart`). Returns what stops it if the
+    run fails to build, or None."""
     backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
     if OmegaConf.select(cfg, "launch_mode", default="local") != "local" or backend != "process":
         return None
     from nexrl.training import process_engine
 
     process_engine.prestart()
-    return process_engine
+    return process_engine.discard_spare
 
 
 class TrainingAborted(RuntimeError):
@@ -93,13 +95,13 @@ class TrainingAborted(RuntimeError):
 class NexRLController:
     def __init__(self, config: DictConfig) -> None:
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
-        spare = _prestart_trainer(config)
+        discard_trainer = _prestart_trainer(config)
         try:
             self._config = resolve_run_config(config)
             self.system = build_system(self._config)
         except BaseException:
-            if spare:
-                spare.discard_spare()
+            if discard_trainer is not None:
+                discard_trainer()
             raise
         self.run_dir = self._config.run_dir
         self.activity_tracker = self.system.activity_tracker
