@@ -99,26 +99,32 @@ def grpo_loss(model, seqs: torch.Tensor, n_prompt: int, adv: torch.Tensor, pad_i
 
 
 def minimal_grpo(
-    model_path: Path, rows: list[dict], prompts: int, group: int, steps: int, seed: int
+    model_path: Path,
+    rows: list[dict],
+    shape: tuple[int, int, int],
+    seed: int,
+    device: str = "cpu",
 ) -> list[dict[str, float]]:
-    """The floor of any GRPO trainer: sample, score, normalise per group, one step."""
+    """The floor of any GRPO trainer: sample, score, normalise per group, one step.
+    `shape` is (prompts, group, steps); fp32 on any device."""
+    prompts, group, steps = shape
     start = time.time()  # start-up (tokenizer and model load) counts in `since_start_s`
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     pad_id = tok.pad_token_id
     history = []
     for step in range(steps):
         t0 = time.perf_counter()
         batch = [rows[(step * prompts + i) % len(rows)] for i in range(prompts)]
-        ids = tok([r["prompt"] for r in batch], return_tensors="pt").input_ids
+        ids = tok([r["prompt"] for r in batch], return_tensors="pt").input_ids.to(device)
         n_prompt = ids.shape[1]  # every prompt has the same length ("abcd>")
         model.eval()
         with torch.no_grad():
             seqs = model.generate(
                 ids.repeat_interleave(group, 0),
-                attention_mask=torch.ones(len(ids) * group, n_prompt, dtype=torch.long),
+                attention_mask=torch.ones(len(ids) * group, n_prompt, dtype=torch.long).to(device),
                 do_sample=True,
                 temperature=1.0,
                 top_k=0,
@@ -137,6 +143,7 @@ def minimal_grpo(
         )
         r = rewards.view(prompts, group)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
+        adv = adv.to(device)
         model.train()
         t1 = time.perf_counter()
         loss = grpo_loss(model, seqs, n_prompt, adv, pad_id)
@@ -144,6 +151,8 @@ def minimal_grpo(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
+        if model.device.type == "cuda":  # the step's kernels have run
+            torch.cuda.synchronize(model.device)
         t2 = time.perf_counter()
         history.append(
             {
@@ -227,18 +236,24 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_sides(
-    model: Path, rows: list[dict], shape: tuple[int, int, int], seeds: list[int], base: list[str]
+    model: Path,
+    rows: list[dict],
+    shape: tuple[int, int, int],
+    seeds: list[int],
+    base: list[str],
+    device: str = "cpu",
 ) -> dict[str, list[dict[str, Any]]]:
     """Every side's summary per seed, seed by seed (each seed's runs back to back), so
     a machine whose speed drifts during the benchmark moves every side alike."""
-    prompts, group, steps = shape
     sides: dict[str, list[dict[str, Any]]] = {"minimal loop": []}
     sides.update({name: [] for name in NEXRL_VARIANTS})
     for seed in seeds:
-        minimal = minimal_grpo(model, rows, prompts, group, steps, seed)
+        minimal = minimal_grpo(model, rows, shape, seed, device)
         sides["minimal loop"].append(summarise(minimal))
+        print(f"seed {seed} minimal loop: {sides['minimal loop'][-1]}", flush=True)
         for name, over in NEXRL_VARIANTS.items():
             sides[name].append(summarise(nexrl_run([*base, *over, f"seed={seed}"])))
+            print(f"seed {seed} {name}: {sides[name][-1]}", flush=True)
         print(f"seed {seed}:", {k: v[-1]["s_to_target"] for k, v in sides.items()}, flush=True)
     return sides
 
@@ -249,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--seeds", type=int, default=1, help="runs per side (seeds 42, 43, ...)")
     p.add_argument("--smoke", action="store_true", help="2 steps of 4 x 4 each, no files")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--device", default="cpu", help="cuda: the minimal loop and nexrl's engine")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
@@ -267,15 +283,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         "validate.validate_before_train=false",
         "train_worker.save_freq=0",
         "logger.backend=[jsonl]",
+        f"+service.inference_service.engine.device={args.device}",  # the trainer takes a GPU
     ]
-    sides = run_sides(model, rows, (prompts, group, steps), seeds, base)
+    sides = run_sides(model, rows, (prompts, group, steps), seeds, base, args.device)
     results = {name: median_of(runs) for name, runs in sides.items()}
     for name, result in results.items():
         print(name, result, flush=True)
     shutdown_local_engines()
     ratios = compute_ratios(results)
     if not args.smoke:
-        write(args.out / "e2e.md", results, ratios, len(seeds))
+        name = "e2e.md" if args.device == "cpu" else f"e2e_{torch.device(args.device).type}.md"
+        write(args.out / name, results, ratios, len(seeds))
     for k, v in ratios.items():
         print(f"{k}: {'-' if v is None else f'{v:.3f}'}")
     return results

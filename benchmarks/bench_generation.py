@@ -19,6 +19,7 @@ vs the same 64 requests in-process. Ratios compare numbers measured in the same 
     python benchmarks/bench_generation.py --smoke   # seconds: tiny model, c=1 and 4, no files
     python benchmarks/bench_generation.py --smollm2 --threads 2   # the real 135M chat model
     python benchmarks/bench_generation.py --smollm2 --threads 2 --dtype bfloat16   # both in bf16
+    python benchmarks/bench_generation.py --smollm2 --dtype bfloat16 --chat --device cuda  # GPU
 
 With `--dtype bfloat16` both sides run in bf16 (fast only where the CPU multiplies bf16
 natively: avx512_bf16 / AMX, named on the results' machine line), and HF generate in
@@ -75,10 +76,12 @@ def hf_tokens_per_s(model, tokenizer, batch: list[list[int]], max_tokens: int, w
     cfg.eos_token_id = None  # generate may restore the model EOS: rows ending early get padded
     width = max(map(len, batch))
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
     mask = (
-        torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch])[:, None]
-    ).long()
+        (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch])[:, None])
+        .long()
+        .to(model.device)
+    )
     start, total = time.perf_counter(), 0
     for _ in range(waves):
         out = model.generate(
@@ -93,7 +96,14 @@ def hf_tokens_per_s(model, tokenizer, batch: list[list[int]], max_tokens: int, w
             pad_token_id=pad,
         )
         total += (out.shape[1] - width) * len(batch)
+    synchronize(model.device)
     return total / (time.perf_counter() - start)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after their launch returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def engine_tokens_per_s(
@@ -153,18 +163,22 @@ def compare(
     dtype: str = "float32",
     threads: int = 1,
     chat: bool = False,
+    device: str = "cpu",
 ) -> None:
-    """Rows of HF generate vs the engine, both in `dtype`, each measured alone with
-    `threads` torch threads; for a dtype other than fp32 the row also holds `hf_fp32`
-    (HF generate in fp32) and `speedup_vs_hf_fp32`. `chat`: chat-template prompts, and
+    """Rows of HF generate vs the engine, both in `dtype` on `device` (the engine runs on
+    the device of the model it is given), each measured alone with `threads` torch
+    threads; for a dtype other than fp32 the row also holds `hf_fp32` (HF generate in
+    fp32) and `speedup_vs_hf_fp32`. `chat`: chat-template prompts, and
     the row also holds the engine without its prefix cache (`engine_no_prefix`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     fp32 = None
     if dtype != "float32":
-        fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        fp32 = fp32.to(device).eval()
     size, max_len = max(concurrencies), 64 + max_tokens
     for c in concurrencies:
         batch = prompts(tok, c, seed=c, chat=chat)
@@ -327,12 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         "--chat", action="store_true", help="with --smollm2: chat-template prompts, the "
         "engine with and without its prefix cache",
     )  # fmt: skip
+    ap.add_argument(
+        "--device", default="cpu", help="with --smollm2: where both sides run (cpu, cuda)"
+    )
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not args.smollm2:
+        ap.error("--device is for --smollm2 (the default runs compare CPU paths and HTTP)")
     if args.smollm2:
         model = resolve_model(args.model_path)
         repeats = args.repeats or 1
         out = Path(args.out)
-        return smollm2(model, args.threads, out, repeats, args.smoke, args.dtype, args.chat)
+        opts = dict(dtype=args.dtype, chat=args.chat, device=args.device)
+        return smollm2(model, args.threads, out, repeats, args.smoke, **opts)
     if args.smoke:
         return smoke(args.threads)
     torch.set_num_threads(1)  # each side computes on its own thread (`on_thread`)
@@ -385,18 +405,21 @@ def smollm2(
     smoke: bool = False,
     dtype="float32",
     chat: bool = False,
+    device: str = "cpu",
 ) -> int:
     """Engine vs HF generate on the real 135M chat model (one wave of 32 tokens per cell:
-    HF needs about half a minute per wave at c=64 on 2 cores); smoke: c=2, 4 tokens."""
+    HF needs about half a minute per wave at c=64 on 2 cores; a GPU adds c=256); smoke:
+    c=2, 4 tokens."""
     torch.set_num_threads(1)  # each side computes on its own thread (`on_thread`)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     rows: list[dict] = []
-    opts = dict(dtype=dtype, threads=threads, chat=chat)
+    opts = dict(dtype=dtype, threads=threads, chat=chat, device=device)
     if smoke:
         compare(model, "smollm2-135M", (2,), 4, rows, 1, waves=1, **opts)
         print(f"smoke: smollm2_speedup_vs_hf_at_2: {rows[-1]['speedup']:.2f}")
         return 0
-    compare(model, "smollm2-135M", (16, 64), 32, rows, repeats, 1, **opts)
+    concurrencies = (16, 64) if device == "cpu" else (16, 64, 256)
+    compare(model, "smollm2-135M", concurrencies, 32, rows, repeats, 1, **opts)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     fp32_cols = dtype != "float32"
     head = "| concurrency | HF generate tok/s | engine tok/s | speedup |"
@@ -426,8 +449,9 @@ def smollm2(
         f"Load average before / after: {load_before} / "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + "  ",
-        f"torch threads: {threads}, each side measured alone on its own thread (one OpenMP "
-        f"team in the process), {prompt_kind}32 new tokens, one wave, best of {repeats}",
+        f"device: {device}, torch threads: {threads}, each side measured alone on its own "
+        f"thread (one OpenMP team in the process), {prompt_kind}32 new tokens, one wave, "
+        f"best of {repeats}",
         "",
         head,
         rule,
@@ -436,9 +460,13 @@ def smollm2(
     ]
     out.mkdir(parents=True, exist_ok=True)
     name = "generation_smollm2" + ("" if dtype == "float32" else f"_{short}")
-    name += "_chat.md" if chat else ".md"
+    name += "_chat" if chat else ""
+    name += "" if device == "cpu" else f"_{torch.device(device).type}"
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "device": device}, indent=1))
+    name += ".md"
     (out / name).write_text("\n".join(lines))
-    print(f"smollm2_speedup_vs_hf_at_64: {rows[-1]['speedup']:.2f}")
+    at64 = next(r for r in rows if r["concurrency"] == 64)
+    print(f"smollm2_speedup_vs_hf_at_64: {at64['speedup']:.2f}")
     return 0
 
 

@@ -56,10 +56,12 @@ def full_batch(n: int, t: int, vocab_size: int) -> Batch:
     return batch
 
 
-def timed(fn, steps: int) -> float:
+def timed(fn, steps: int, device: torch.device) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         fn()
+    if device.type == "cuda":  # kernels run after their launch returns
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -95,22 +97,29 @@ def main(argv: list[str] | None = None) -> float:
     def run_engine():
         engine.train_batch(batch, "ppo_clip", PPO)
 
+    # the engine's mixed precision (bf16 autocast on a GPU by default), the bare loop's too
+    autocast = engine.autocast_dtype is not None
+    bare_args = [v[k] for k in ("input_ids", "attention_mask", "loss_mask", "advantages")]
+
     def run_bare():
-        bare_step(model, opt, v["input_ids"], v["attention_mask"], v["loss_mask"], v["advantages"])
+        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=autocast):
+            bare_step(model, opt, *bare_args)
 
     def run_old_logprobs():  # the pass an on-policy engine can skip (docs/performance.md)
         engine.compute_logprobs(batch)
 
-    timed(run_engine, 1), timed(run_bare, 1), timed(run_old_logprobs, 1)  # warm up
+    for fn in (run_engine, run_bare, run_old_logprobs):  # warm up
+        timed(fn, 1, engine.device)
     t_engine = t_bare = t_old = 0.0
     for _ in range(args.rounds):
-        t_engine += timed(run_engine, args.steps)
-        t_bare += timed(run_bare, args.steps)
-        t_old += timed(run_old_logprobs, args.steps)
+        t_engine += timed(run_engine, args.steps, engine.device)
+        t_bare += timed(run_bare, args.steps, engine.device)
+        t_old += timed(run_old_logprobs, args.steps, engine.device)
     tokens = args.batch * args.seq * args.steps * args.rounds
     lines = [
         f"device: {engine.device}  threads: {args.threads}  model: hidden {args.hidden} x "
-        f"{args.layers} layers  batch: {args.batch} x {args.seq}",
+        f"{args.layers} layers  batch: {args.batch} x {args.seq}  "
+        f"autocast: {engine.autocast_dtype or 'off'}",
         f"engine_tokens_per_s: {tokens / t_engine:.1f}",
         f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}",
         f"old_logprob_pass_vs_train_step: {t_old / t_engine:.3f}",

@@ -118,7 +118,8 @@ class Engine:
             model, max_batch_size, self.max_model_len, matmul, native_attention
         )
         self.prefix = PrefixCache.for_runner(self.runner, prefix_cache_gib)
-        self.batch = RunningBatch(max_batch_size, self.max_model_len, device)
+        # on the model's device: a model passed in ready-made may live on any of them
+        self.batch = RunningBatch(max_batch_size, self.max_model_len, self.runner.device)
         eos = model.generation_config.eos_token_id
         self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
         self._gen = torch.Generator().manual_seed(seed)
