@@ -258,14 +258,18 @@ def run_sides(
     return sides
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600, help="max steps per side")
     p.add_argument("--seeds", type=int, default=1, help="runs per side (seeds 42, 43, ...)")
     p.add_argument("--smoke", action="store_true", help="2 steps of 4 x 4 each, no files")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--device", default="cpu", help="cuda: the minimal loop and nexrl's engine")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     prompts, group, steps = (4, 4, 2) if args.smoke else (16, 16, args.steps)

@@ -325,7 +325,7 @@ def write_results(out: Path, rows: list[dict], http: tuple[float, float], meta: 
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 repeats, shorter 30M run (<2 min)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
@@ -344,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--device", default="cpu", help="with --smollm2: where both sides run (cpu, cuda)"
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.device != "cpu" and not args.smollm2:
         ap.error("--device is for --smollm2 (the default runs compare CPU paths and HTTP)")

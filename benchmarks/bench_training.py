@@ -65,7 +65,7 @@ def timed(fn, steps: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> float:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
@@ -76,7 +76,11 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (seconds)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parser().parse_args(argv)
     if args.smoke:
         args.batch, args.seq, args.hidden, args.layers, args.rounds, args.steps = 2, 16, 32, 1, 1, 1
     torch.set_num_threads(args.threads)

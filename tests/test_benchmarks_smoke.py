@@ -9,6 +9,7 @@ smoke mode (bench_rewards writes into a temporary folder).
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,30 @@ def test_async_smoke_mode_on_one_engine_and_task(tmp_path: Path) -> None:
     assert "## emulated / long_tail" in out and "## emulated / default" not in out
     assert "fully_async_vs_sync_emulated:" in out
     assert not list(tmp_path.iterdir())  # smoke mode writes no results
+
+
+def gpu_sh_commands() -> list[list[str]]:
+    """The `bench NAME SECONDS SCRIPT ARGS...` lines of benchmarks/gpu.sh, as argv lists
+    (SCRIPT first), its shell variables left as words."""
+    text = (BENCH / "gpu.sh").read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines()]
+    return [shlex.split(ln)[3:] for ln in lines if ln.startswith("bench ")]
+
+
+def test_gpu_script_passes_only_options_its_benchmarks_take() -> None:
+    """gpu.sh runs only on a lent GPU, so CI checks its command lines against each
+    script's own parser: a renamed or removed option fails here, not on the GPU."""
+    import importlib.util
+
+    commands = gpu_sh_commands()
+    assert {c[0] for c in commands} == {"bench_generation.py", "bench_training.py", "bench_e2e.py"}
+    assert len(commands) == 7  # 3 smoke lines, 4 full ones
+    sys.path.insert(0, str(BENCH))  # the scripts import `_machine` from beside them
+    try:
+        for script, *args in commands:
+            spec = importlib.util.spec_from_file_location(script[:-3], BENCH / script)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.parser().parse_args(args)  # SystemExit (exit 2) on an unknown option
+    finally:
+        sys.path.remove(str(BENCH))

@@ -226,3 +226,18 @@ def test_sampler_follows_the_distribution():
         assert torch.allclose(lp, torch.log_softmax(logits[0] / temp, -1)[tok])
     tok, _ = sample_next(logits, ones, ones, torch.full((20000,), 2), None, gen)
     assert set(tok.tolist()) == {0, 1}
+
+
+def test_a_ready_made_model_keeps_its_device(hf_model):
+    """An engine given a model runs on that model's device, whatever `device` says: the
+    running batch's tensors are where the model is (a GPU model's would be on the GPU)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_model.name_or_path)
+    engine = Engine(model_and_tokenizer=(hf_model, tok), device="meta", max_batch_size=2)
+    try:
+        assert engine.batch.pos.device == engine.runner.device == torch.device("cpu")
+        out = _gen(engine, max_new_tokens=3, ignore_eos=True)
+        assert len(out.outputs[0].output_ids) == 3
+    finally:
+        engine.shutdown()
