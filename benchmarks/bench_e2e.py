@@ -24,6 +24,7 @@ nexrl side; "update s" is the forward / backward / optimizer step (`timing/updat
     python benchmarks/bench_e2e.py --steps 60     # a partial run: s/step ratios only
     python benchmarks/bench_e2e.py --seeds 3      # each side with seeds 42, 43, 44: medians
     python benchmarks/bench_e2e.py --smoke        # seconds: 2 tiny steps of each side
+    python benchmarks/bench_e2e.py --device cuda  # both sides on a GPU: results/e2e_cuda.md
 
 Steps to 0.9 vary from seed to seed (sampling) and, on the nexrl side, from run to
 run (asynchronous scheduling), so one run per side can move the wall-clock ratio by

@@ -5,6 +5,8 @@ loss, backward, AdamW step (no clipping, no metrics, no micro-batching). The eng
 runs `train_batch` with the PPO-clip loss through `compute_loss`, so the ratio is the
 price of everything the engine adds. The two are interleaved round by round so that
 load from other processes on a shared machine hits both alike.
+On a GPU both sides use the engine's autocast (bf16 by default) and the clock is read
+after the GPU is done.
 
     python benchmarks/bench_training.py [--batch 16 --seq 128 --rounds 5 --steps 3]
     python benchmarks/bench_training.py --smoke   # seconds: tiny sizes, same code path
