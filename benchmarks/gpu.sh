@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu.sh OUT full GGUF      # the measured run; GGUF: SmolLM2's .gguf
 #
 # DEVICE (default cuda) picks the device: `DEVICE=cpu bash benchmarks/gpu.sh OUT smoke`
-# runs the same commands on a machine without a GPU. Results and logs go under OUT;
+# runs the same commands on a machine without a GPU; E2E_SECONDS (default 260) bounds the
+# e2e run. Results and logs go under OUT;
 # copy them into benchmarks/results/ (the GPU files carry a `_cuda` suffix).
 set -u
 out=$(realpath -m "${1:?usage: gpu.sh OUT smoke|full [GGUF]}")
