@@ -86,6 +86,7 @@ class Engine:
         gather_max_s: float = 0.02,
         threads: int | None = None,
         prefix_cache_gib: float = 0.25,
+        cuda_graphs: bool = True,
     ) -> None:
         if threads is not None and int(threads) < 1:
             raise ValueError(f"engine option threads must be >= 1, got {threads}")
@@ -115,7 +116,7 @@ class Engine:
             )
         self.gather_quiet_s, self.gather_max_s = float(gather_quiet_s), float(gather_max_s)
         self.runner = ModelRunner(
-            model, max_batch_size, self.max_model_len, matmul, native_attention
+            model, max_batch_size, self.max_model_len, matmul, native_attention, cuda_graphs
         )
         self.prefix = PrefixCache.for_runner(self.runner, prefix_cache_gib)
         # on the model's device: a model passed in ready-made may live on any of them
@@ -297,7 +298,8 @@ class Engine:
             self._finish()  # a first token may already end a sample
         b = len(self.batch)
         if b:
-            logits = self.runner.decode(self.batch.cur_tok[:b], self.batch.pos[:b])
+            span = self.batch.max_pos() + 1  # read on the host: no wait for the device
+            logits = self.runner.decode(self.batch.cur_tok[:b], self.batch.pos[:b], span)
             self._sample_and_record(slice(0, b), logits)
         self._finish()
         self.stats.update(running=len(self.batch), waiting=len(self._waiting))
@@ -400,9 +402,9 @@ class Engine:
             row.pending.finish_sample(row.index, output)
             if row.pending.left == 0:
                 row.pending.resolve()
-        src, dst = self.batch.compact(finished)
+        src, dst, span = self.batch.compact(finished)
         if dst.numel():  # cache positions past the movers' own are never read: not copied
-            self.runner.move_rows(src, dst, int(self.batch.pos[dst].max()) + 1)
+            self.runner.move_rows(src, dst, span)
 
     def _cache_samples(self, rows: list[int], taken: list[tuple[Row, GenerationOutput]]) -> None:
         """Put finished samples in the prefix cache: their KV (the prompt and all but the

@@ -28,6 +28,7 @@ ENGINE_OPTIONS = (
     "gather_max_s",
     "threads",
     "prefix_cache_gib",
+    "cuda_graphs",
 )
 
 ROUTING_OPTIONS = ("replica_actors",)  # Ray mode: the engine lives in named replica actors

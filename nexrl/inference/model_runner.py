@@ -1,22 +1,20 @@
 """A lean forward pass for the Llama / Qwen2 / Qwen3 family with a slot KV cache.
 
-Why not the HF forward: at decode time on a CPU the tiny models spend most of
-their time in Python (module calls, cache objects, mask building). This runner
-reads the weights of the model `from_pretrained` built (so it is the same
-checkpoint, and `load_state_dict` updates reach it after `refresh()`), fuses
-q/k/v and gate/up into single matmuls, and runs one forward for the whole
-running batch with a preallocated cache. Linears go through `kernels.linear_for`
-(oneDNN for large products on a CPU).
+Why not the HF forward: at decode time the tiny models spend most of their time in
+Python (module calls, cache objects, mask building). This runner reads the weights of
+the model `from_pretrained` built (the same checkpoint; `load_state_dict` updates reach
+it after `refresh()`), fuses q/k/v and gate/up into single matmuls, and runs one
+forward for the whole running batch with a preallocated cache. Linears go through
+`kernels.linear_for` (oneDNN for large products on a CPU). On a GPU the decode step is
+replayed from CUDA graphs (`cuda_graphs.py`).
 
-Cache layout: one tensor per layer for K and V, `(slots, kv_heads, max_len,
-head_dim)`. A running sequence owns one slot (one row); the scheduler keeps
-the running rows dense at `[0, B)` by moving rows when sequences finish
-(`move_rows`).
+Cache layout: one tensor per layer for K and V, `(slots, kv_heads, max_len, head_dim)`.
+A running sequence owns one slot (one row); the scheduler keeps the running rows dense
+at `[0, B)` by moving rows when sequences finish (`move_rows`).
 
-Prefill packs the prompts: linears run on the real tokens only, attention on
-the padded (prompts, longest) grid, and the last layer on each prompt's last
-token only. Prefix sharing: the `n` samples of a prompt are prefilled once and
-the prompt KV is copied into their `n` rows.
+Prefill packs the prompts: linears run on the real tokens only, attention on the padded
+(prompts, longest) grid, and the last layer on each prompt's last token only. Prefix
+sharing: the `n` samples of a prompt are prefilled once, their KV copied into `n` rows.
 
 Decode attention: the native kernel (`native.py`, fp32 or bf16 caches on a CPU) when
 it is available, which appends the step's K/V and attends over each row's own
@@ -34,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import nexrl.inference.native as native
+from nexrl.inference.cuda_graphs import DecodeGraphs, keep_addresses
 from nexrl.inference.fused import fused_ops, torch_add_rms_norm, torch_silu_mul
 from nexrl.inference.fused import rms_norm as _rms
 from nexrl.inference.kernels import linear_for, weight_packer
@@ -225,6 +224,10 @@ def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor])
     )
 
 
+def _weights(lm_head: torch.Tensor, layers: list[_Layer]) -> list[torch.Tensor | None]:
+    return [lm_head] + [getattr(layer, f.name) for layer in layers for f in fields(layer)]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """RoPE: x * cos + rotate_half(x) * sin, with rotate_half folded into roll + signed sin."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
@@ -240,6 +243,7 @@ class ModelRunner:
         max_len: int,
         matmul: str = "auto",
         native_attention: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         if not is_supported(model):
             raise ValueError(f"lean forward does not support {type(model).__name__}")
@@ -273,7 +277,10 @@ class ModelRunner:
         # the decode step's residual adds, norms and SiLU in C (same switch as attention)
         self.fused = fused_ops(self.dtype) if native_attention and on_cpu else None
         self._rope_table(max_len)
+        self.graphs: DecodeGraphs | None = None
         self.refresh()
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self._decode, max_slots, max_len, self.device)
         # RoPE at decode runs in torch unless the native kernel does it for every layer
         # (it does when there is no q/k norm between projection and rotation)
         self._torch_rope = self.native_attention is None or any(
@@ -292,12 +299,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def refresh(self) -> None:
-        """Rebuild the fused weights from the model's parameters (after a weight update)."""
+        """Rebuild the fused weights from the model's parameters (after a weight update).
+        With CUDA graphs the new weights are copied into the tensors the graphs read."""
         inner = self.model.model
+        lm_head = self._pack(self.model.lm_head.weight)
+        layers = [_layer(block, self._pack) for block in inner.layers]
+        if self.graphs is not None:
+            keep_addresses(self._weights(), _weights(lm_head, layers))
+            return
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.lm_head = self._pack(self.model.lm_head.weight)
-        self.layers = [_layer(block, self._pack) for block in inner.layers]
+        self.lm_head, self.layers = lm_head, layers
+
+    def _weights(self) -> list[torch.Tensor | None]:
+        """The weights the decode forward reads (the model's own norms and embedding are
+        updated in place by a weight update)."""
+        return _weights(self.lm_head, self.layers)
 
     # -- cache bookkeeping ------------------------------------------------------------------
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, span: int | None = None) -> None:
@@ -374,14 +391,20 @@ class ModelRunner:
             cache.view(-1, d).index_copy_(0, plan.cache_to, rows)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One step for rows [0, B): tokens (B,) at positions pos (B,); returns logits (B, V)."""
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, span: int | None = None):
+        """One step for rows [0, B): tokens (B,) at positions pos (B,); returns logits (B, V).
+        `span` (> every pos, optional) saves reading `pos` back from the device."""
+        if self.graphs is not None:
+            return self.graphs(tokens, pos, span or int(pos.max()) + 1)
+        return self._decode(tokens, pos, span)
+
+    def _decode(self, tokens: torch.Tensor, pos: torch.Tensor, span: int | None) -> torch.Tensor:
         b, kv, d = tokens.shape[0], self.n_kv, self.head_dim
         if self._torch_rope:
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
         if self.native_attention is None:  # torch path: cache index, keys attended, mask
             flat = (self._row_base[:b] + pos[:, None]).flatten()
-            span = int(pos.max()) + 1
+            span = span or int(pos.max()) + 1
             bias = self._decode_bias(pos, span)
         x = F.embedding(tokens, self.embed)  # (B, H), a new tensor (updated in place below)
         x, h = self._add_norm(x, None, self.layers[0].ln1)

@@ -107,6 +107,9 @@ class RunningBatch:
         self.out_tok = torch.zeros(s, max_len, dtype=torch.long, device=d)
         self.out_lp = torch.zeros(s, max_len, device=d)
         self.out_ver = torch.zeros(s, max_len, dtype=torch.int32, device=d)
+        # positions kept on the host too, so a step never waits on the device to read one
+        on_host = self.pos.device.type == "cpu"
+        self.host_pos = self.pos if on_host else torch.zeros(s, dtype=torch.long)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -146,6 +149,8 @@ class RunningBatch:
         wanted = torch.tensor([p.max_new_tokens for p in params], dtype=torch.long, device=dev)
         self.max_gen[idx] = torch.minimum(wanted, self.max_len - plens)
         self.pos[idx] = plens - 1
+        if self.host_pos is not self.pos:
+            self.host_pos[idx] = torch.tensor(prompt_lens) - 1
         self.temp[idx] = torch.tensor([p.temperature for p in params], device=dev)
         self.top_p[idx] = torch.tensor([p.top_p for p in params], device=dev)
         self.top_k[idx] = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
@@ -181,7 +186,14 @@ class RunningBatch:
         self.out_ver[rows].scatter_(1, n, torch.full_like(n, version, dtype=torch.int32))
         self.n_gen[rows] += 1
         self.pos[rows] += 1
+        if self.host_pos is not self.pos:
+            self.host_pos[rows] += 1
         self.cur_tok[rows] = tokens
+
+    def max_pos(self) -> int:
+        """The largest position of a running row (-1 when none runs), read on the host."""
+        b = len(self.rows)
+        return int(self.host_pos[:b].max()) if b else -1
 
     def finished_rows(self) -> list[int]:
         """Rows that hit max tokens, a stop token, a stop string, or were aborted."""
@@ -229,8 +241,9 @@ class RunningBatch:
             taken.append((row, sample))
         return taken
 
-    def compact(self, finished: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drop `finished` rows, moving the last live rows into the holes. Returns (src, dst)."""
+    def compact(self, finished: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Drop `finished` rows, moving the last live rows into the holes. Returns (src,
+        dst, span): the rows moved, where to, and 1 + the largest position among them."""
         b = len(self.rows)
         keep_n = b - len(finished)
         gone = set(finished)
@@ -239,10 +252,13 @@ class RunningBatch:
         movers = [j for j in range(keep_n, b) if j not in gone]
         src = torch.tensor(movers, dtype=torch.long, device=self.pos.device)
         dst = torch.tensor(holes, dtype=torch.long, device=self.pos.device)
+        span = int(self.host_pos[movers].max()) + 1 if movers else 0
         if holes:
             for t in self._per_row():
                 t[dst] = t[src]
+            if self.host_pos is not self.pos:
+                self.host_pos[holes] = self.host_pos[movers]
             for h, m in zip(holes, movers, strict=True):
                 self.rows[h] = self.rows[m]
         del self.rows[keep_n:]
-        return src, dst
+        return src, dst, span

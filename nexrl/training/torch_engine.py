@@ -177,9 +177,12 @@ class TorchTrainEngine:
             return None
         plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select)
         if plan is not None and self.config.shared_prefix is None:
-            # auto: only when it computes fewer (padded) tokens than the plain forward
+            # auto: only when it computes fewer (padded) tokens than the plain forward; on
+            # an accelerator, at most half as many (its two forwards launch twice the
+            # kernels, which is what a small batch costs there)
             plain = int(mb["attention_mask"].any(0).sum()) * mb["attention_mask"].shape[0]
-            return plan if plan.padded_tokens < plain else None
+            worth = plan.padded_tokens * (2 if self.device.type != "cpu" else 1)
+            return plan if worth < plain else None
         return plan
 
     def _shared_prefix_allowed(self, hf_model: torch.nn.Module) -> bool:
