@@ -19,9 +19,12 @@ the graphs recorded (`keep_addresses`) instead of rebuilding them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(tokens (B,), positions (B,), attended span) -> logits (B, V)."""
@@ -54,6 +57,7 @@ class DecodeGraphs:
         self.pos = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.failed = False
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """Logits (B, V) of rows [0, B): `span` is at least their largest position + 1."""
@@ -67,8 +71,15 @@ class DecodeGraphs:
             self.pos[b:rows].zero_()
         if not self.capture:
             return self.decode(self.tokens[:rows], self.pos[:rows], key[1])[:b]
+        if self.failed:
+            return self.decode(tokens, pos, span)
         if key not in self.graphs:
-            self.graphs[key] = self._record(*key)
+            try:
+                self.graphs[key] = self._record(*key)
+            except RuntimeError:  # a failed capture may leave the pool unusable: eager from now
+                logger.exception("recording the decode step as a CUDA graph failed: eager")
+                self.failed = True
+                return self.decode(tokens, pos, span)
         graph, out = self.graphs[key]
         graph.replay()
         return out[:b]
@@ -84,7 +95,8 @@ class DecodeGraphs:
                 self.decode(tokens, pos, span)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread-local: other threads (a trainer beside the engine) may use the GPU meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.decode(tokens, pos, span)
         return graph, out
 

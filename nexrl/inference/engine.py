@@ -50,6 +50,7 @@ from nexrl.inference.sampler import (
     sample_generator,
     sample_next,
     stop_token_set,
+    to_device,
     validate_params,
 )
 from nexrl.inference.scheduler import Pending, Row, RunningBatch
@@ -388,7 +389,7 @@ class Engine:
             self.prefix.insert(self.runner, [(ids, rep[i]) for i, ids in enumerate(prompts)])
         idx = self.batch.add_rows(rows, [len(prompts[i]) for i in src])
         self._sample_and_record(
-            idx, logits.index_select(0, torch.tensor(src, device=logits.device))
+            idx, logits.index_select(0, to_device(torch.tensor(src), logits.device))
         )
 
     def _finish(self) -> None:

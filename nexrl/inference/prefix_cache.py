@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from nexrl.inference.sampler import to_device
+
 MAX_CACHED_TOKENS = 65536
 """Upper bound of the trie's size whatever the budget (its bookkeeping is Python lists)."""
 
@@ -177,7 +179,7 @@ class PrefixCache:
         # flat indices into the (slots*kv*max_len, D) cache view and (capacity*kv, D) store
         cache_idx = ((row[:, None] * self.n_kv + heads) * runner.max_len + pos[:, None]).flatten()
         store_idx = (slot[:, None] * self.n_kv + heads).flatten()
-        cache_idx, store_idx = cache_idx.to(device), store_idx.to(device)
+        cache_idx, store_idx = to_device(cache_idx, device), to_device(store_idx, device)
         d = runner.head_dim
         for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
             cache, store = cache.view(-1, d), store.view(-1, d)

@@ -65,7 +65,7 @@ def sample_next(
     if kinds.greedy or kinds.tempered:
         greedy = temperature <= 0
         scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    u = _uniforms(logits.shape[0], generators or {}, default_generator).to(logits.device)
+    u = to_device(_uniforms(logits.shape[0], generators or {}, default_generator), logits.device)
     if kinds.truncated:
         logp = torch.log_softmax(scaled, dim=-1)  # (B, V) reported distribution
         tokens, _ = _inverse_cdf(_truncate(logp, top_p, top_k).exp(), u)
@@ -100,6 +100,14 @@ def _truncate(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> t
         n_keep = ((cum - sorted_lp.exp()) < top_p[:, None]).sum(dim=-1).clamp(min=1)
         keep_min = torch.maximum(keep_min, sorted_lp.gather(1, (n_keep - 1)[:, None]).squeeze(1))
     return logp.masked_fill(logp < keep_min[:, None], float("-inf"))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (on the CPU) on `device`; to a GPU through pinned memory, without waiting for
+    the GPU's queued work (a copy from pageable memory waits for it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 CDF_BLOCK = 256

@@ -26,7 +26,7 @@ from nexrl.inference.protocol import (
     GenerationResponse,
     TokenCallback,
 )
-from nexrl.inference.sampler import StopChecker, decode_all, make_output
+from nexrl.inference.sampler import StopChecker, decode_all, make_output, to_device
 
 
 @dataclass
@@ -145,18 +145,18 @@ class RunningBatch:
             self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
         params = [r.pending.request.sampling for r in rows]
         dev = self.pos.device
-        plens = torch.tensor(prompt_lens, dtype=torch.long, device=dev)
-        wanted = torch.tensor([p.max_new_tokens for p in params], dtype=torch.long, device=dev)
+        plens = to_device(torch.tensor(prompt_lens), dev)
+        wanted = to_device(torch.tensor([p.max_new_tokens for p in params]), dev)
         self.max_gen[idx] = torch.minimum(wanted, self.max_len - plens)
         self.pos[idx] = plens - 1
         if self.host_pos is not self.pos:
             self.host_pos[idx] = torch.tensor(prompt_lens) - 1
-        self.temp[idx] = torch.tensor([p.temperature for p in params], device=dev)
-        self.top_p[idx] = torch.tensor([p.top_p for p in params], device=dev)
-        self.top_k[idx] = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        self.temp[idx] = to_device(torch.tensor([float(p.temperature) for p in params]), dev)
+        self.top_p[idx] = to_device(torch.tensor([float(p.top_p) for p in params]), dev)
+        self.top_k[idx] = to_device(torch.tensor([p.top_k for p in params]), dev)
         stops = [r.pending.stop_ids for r in rows]
         grid = [ids + [-1] * (self.stop_ids.shape[1] - len(ids)) for ids in stops]
-        self.stop_ids[idx] = torch.tensor(grid, dtype=torch.long, device=dev)
+        self.stop_ids[idx] = to_device(torch.tensor(grid, dtype=torch.long), dev)
         self.n_gen[idx] = 0
         self.abort[idx] = False
         self.rows.extend(rows)
@@ -219,7 +219,7 @@ class RunningBatch:
 
     def take_outputs(self, rows: list[int], tokenizer) -> list[tuple[Row, GenerationOutput]]:
         """The finished samples of `rows`, read from the batch tensors in one gather each."""
-        index = torch.tensor(rows, device=self.n_gen.device)
+        index = to_device(torch.tensor(rows), self.n_gen.device)
         lengths = self.n_gen[index].tolist()
         width = max(lengths, default=0)  # only the written columns: rows span max_model_len
         tokens = self.out_tok[index, :width].tolist()
@@ -250,8 +250,8 @@ class RunningBatch:
         self._count([self.rows[j] for j in gone], -1)
         holes = [j for j in sorted(gone) if j < keep_n]
         movers = [j for j in range(keep_n, b) if j not in gone]
-        src = torch.tensor(movers, dtype=torch.long, device=self.pos.device)
-        dst = torch.tensor(holes, dtype=torch.long, device=self.pos.device)
+        src = to_device(torch.tensor(movers, dtype=torch.long), self.pos.device)
+        dst = to_device(torch.tensor(holes, dtype=torch.long), self.pos.device)
         span = int(self.host_pos[movers].max()) + 1 if movers else 0
         if holes:
             for t in self._per_row():

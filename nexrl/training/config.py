@@ -73,8 +73,9 @@ class EngineConfig:
     rank, padded (not packed) micro-batches, a plain linear head, full attention, no
     gradient checkpointing in training, a prefix shared by >= 2 rows - else the plain
     forward (warns once when the setup rules it out). None (auto): the same, where it also
-    computes fewer padded tokens than the plain forward (on a GPU at most half as many: its
-    two forwards launch twice the kernels). False: never."""
+    computes fewer padded tokens than the plain forward and, on a GPU, saves more arithmetic
+    than its second forward costs in launches (6 x parameters x tokens saved >= 2e12, so
+    not for tiny models). False: never."""
     lora: dict[str, Any] | None = None
     """Train a LoRA adapter (peft) instead of all weights: {rank: 16, alpha: 32,
     target_modules: "all-linear", dropout: 0.0}; weight exports are merged (base + LoRA)."""

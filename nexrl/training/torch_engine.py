@@ -47,6 +47,10 @@ from nexrl.types import Batch
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask")
 SUMMED_METRICS = ("loss", "entropy")  # plus every name ending in "_loss"
+GPU_SHARED_PREFIX_FLOPS = 2e12
+"""On a GPU, auto `shared_prefix` needs to save this much forward + backward arithmetic
+(6 x parameters x tokens saved): about what launching a second forward and backward
+costs a small model there (a few milliseconds)."""
 
 
 class TorchTrainEngine:
@@ -65,6 +69,7 @@ class TorchTrainEngine:
         if self.config.lora is not None:
             self.model = apply_lora(self.model, self.config.lora)
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
+        self._n_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
@@ -178,11 +183,13 @@ class TorchTrainEngine:
         plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select)
         if plan is not None and self.config.shared_prefix is None:
             # auto: only when it computes fewer (padded) tokens than the plain forward; on
-            # an accelerator, at most half as many (its two forwards launch twice the
-            # kernels, which is what a small batch costs there)
-            plain = int(mb["attention_mask"].any(0).sum()) * mb["attention_mask"].shape[0]
-            worth = plan.padded_tokens * (2 if self.device.type != "cpu" else 1)
-            return plan if worth < plain else None
+            # an accelerator, only when that saves more arithmetic than its second forward
+            # costs in launches (a small model's forward is launch-bound there)
+            saved = int(mb["attention_mask"].any(0).sum()) * mb["attention_mask"].shape[0]
+            saved -= plan.padded_tokens
+            if self.device.type != "cpu":
+                return plan if 6 * self._n_params * saved >= GPU_SHARED_PREFIX_FLOPS else None
+            return plan if saved > 0 else None
         return plan
 
     def _shared_prefix_allowed(self, hf_model: torch.nn.Module) -> bool:

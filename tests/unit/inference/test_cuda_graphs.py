@@ -139,3 +139,39 @@ def test_a_run_config_may_set_the_option_and_a_cpu_engine_records_no_graphs(tiny
             assert engine.runner.graphs is None  # graphs are for a GPU only
         finally:
             engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_a_gpu_graphs_are_recorded_while_another_thread_trains(tiny_path):
+    """Fully-async runs train beside the engine: a recording must not trip on the
+    trainer's kernels, allocations and reads (capture is thread-local)."""
+    import threading
+
+    stop, errors = threading.Event(), []
+
+    def train() -> None:
+        layer = torch.nn.Linear(256, 256, device="cuda")
+        opt = torch.optim.AdamW(layer.parameters())
+        try:
+            while not stop.is_set():
+                loss = layer(torch.randn(64, 256, device="cuda")).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                float(loss)  # reads back, as a trainer's metrics do
+        except Exception as exc:
+            errors.append(exc)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    engine = Engine(tiny_path, device="cuda")
+    try:
+        for n in (1, 3, 5, 9, 17):  # a new batch bucket each time: a recording each
+            params = SamplingParams(max_new_tokens=4, n=n)
+            assert len(engine.generate(GenerationRequest([5, 6, 7], params)).outputs) == n
+        assert len(engine.runner.graphs.graphs) >= 5 and not engine.runner.graphs.failed
+    finally:
+        stop.set()
+        trainer.join()
+        engine.shutdown()
+    assert not errors
