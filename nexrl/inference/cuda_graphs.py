@@ -10,8 +10,9 @@ positions into static input tensors, pads the batch to the next bucket (powers o
 up to the engine's slots) and attends over a fixed span bucket (powers of two from
 `MIN_SPAN`, masked to each row's own positions). Padded rows decode token 0 at
 position 0 of their own cache rows: rows past the running batch are free, and a
-prefill writes a row before it is used. Graphs are recorded on first use and share one
-memory pool; their outputs are read before the next replay, so sharing is safe.
+prefill writes a row before it is used. Graphs are recorded when the engine starts
+(`DecodeGraphs` says why), share one memory pool and write one logits buffer, which a
+step reads before the next replay.
 
 Weights are read by address: `ModelRunner.refresh` copies new weights into the tensors
 the graphs recorded (`keep_addresses`) instead of rebuilding them.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -41,67 +43,90 @@ def bucket(n: int, cap: int, least: int = 1) -> int:
     return min(size, cap)
 
 
-class DecodeGraphs:
-    """Replays a recorded decode forward for a batch padded to its bucket.
+def buckets(least: int, cap: int) -> list[int]:
+    """Every value `bucket(n, cap, least)` takes: least, 2 least, 4 least, ..., cap."""
+    sizes = [min(least, cap)]
+    while sizes[-1] < cap:
+        sizes.append(min(2 * sizes[-1], cap))
+    return sizes
 
-    `capture=False` runs the same padded, fixed-span forward eagerly: the padding and
-    bucketing are then checked on any device (the tests run it on a CPU).
+
+class DecodeGraphs:
+    """The decode forward of every (batch bucket, span bucket), recorded when the engine
+    starts and replayed per step into one shared logits buffer.
+
+    Why all up front: recording marks the device's default random generator as capturing,
+    so another thread of the process that drew CUDA random numbers meanwhile (a trainer's
+    dropout beside the engine in a fully-async run) would fail. `capture=False` runs the
+    same padded, fixed-span forwards eagerly: the bucketing and padding are then checked
+    on any device (the tests run it on a CPU).
     """
 
     def __init__(
-        self, decode: DecodeFn, max_slots: int, max_len: int, device, capture: bool = True
+        self,
+        decode: DecodeFn,
+        max_slots: int,
+        max_len: int,
+        vocab: int,
+        device,
+        capture: bool = True,
     ) -> None:
         self.decode, self.max_slots, self.max_len = decode, max_slots, max_len
-        self.capture = capture
         self.tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.pos = torch.zeros(max_slots, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.out = torch.zeros(max_slots, vocab, device=device)  # the logits of a step
+        self.graphs: dict[tuple[int, int], Callable[[], None]] = {}
         self.failed = False
+        self._record_all(capture)
+
+    def keys(self) -> list[tuple[int, int]]:
+        """(rows, span) of every forward, largest first (later ones reuse its memory)."""
+        spans, rows = buckets(MIN_SPAN, self.max_len), buckets(1, self.max_slots)
+        return [(r, s) for s in reversed(spans) for r in reversed(rows)]
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
-        """Logits (B, V) of rows [0, B): `span` is at least their largest position + 1."""
+        """Logits (B, V) of rows [0, B): `span` is at least their largest position + 1.
+        The buffer is overwritten by the next call."""
+        if self.failed:
+            return self.decode(tokens, pos, span)
         b = tokens.shape[0]
         rows = bucket(b, self.max_slots)
-        key = (rows, bucket(span, self.max_len, MIN_SPAN))
         self.tokens[:b].copy_(tokens)
         self.pos[:b].copy_(pos)
         if rows > b:
             self.tokens[b:rows].zero_()
             self.pos[b:rows].zero_()
-        if not self.capture:
-            return self.decode(self.tokens[:rows], self.pos[:rows], key[1])[:b]
-        if self.failed:
-            return self.decode(tokens, pos, span)
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._record(*key)
-            except RuntimeError:  # a failed capture may leave the pool unusable: eager from now
-                logger.exception("recording the decode step as a CUDA graph failed: eager")
-                self.failed = True
-                return self.decode(tokens, pos, span)
-        graph, out = self.graphs[key]
-        graph.replay()
-        return out[:b]
+        self.graphs[rows, bucket(span, self.max_len, MIN_SPAN)]()
+        return self.out[:b]
 
-    def _record(self, rows: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Record the forward of `rows` rows over `span` positions. The warm-up runs write
-        the same K/V the replay that follows writes (same tokens, positions, weights)."""
-        tokens, pos = self.tokens[:rows], self.pos[:rows]
+    @torch.inference_mode()
+    def _record_all(self, capture: bool) -> None:
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        try:
+            for rows, span in self.keys():
+                run = partial(self._forward, rows, span)
+                self.graphs[rows, span] = self._record(run, pool) if capture else run
+        except RuntimeError:  # a failed capture may leave the pool unusable: eager steps
+            logger.exception("recording the decode step as CUDA graphs failed: eager steps")
+            self.failed = True
+            self.graphs.clear()
+
+    def _forward(self, rows: int, span: int) -> None:
+        self.out[:rows].copy_(self.decode(self.tokens[:rows], self.pos[:rows], span))
+
+    @staticmethod
+    def _record(run: Callable[[], None], pool) -> Callable[[], None]:
+        """`run` recorded after one warm-up run (cuBLAS handles, kernel choices) on a side
+        stream; both write K/V of token 0 at position 0, in rows nobody runs yet."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation (cuBLAS handles, SDPA choice) first
-                self.decode(tokens, pos, span)
+            run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread-local: other threads (a trainer beside the engine) may use the GPU meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.decode(tokens, pos, span)
-        return graph, out
-
-    def clear(self) -> None:
-        self.graphs.clear()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            run()
+        return graph.replay
 
 
 def keep_addresses(old: list[torch.Tensor | None], new: list[torch.Tensor | None]) -> None:

@@ -279,13 +279,14 @@ class ModelRunner:
         self._rope_table(max_len)
         self.graphs: DecodeGraphs | None = None
         self.refresh()
-        if cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self._decode, max_slots, max_len, self.device)
         # RoPE at decode runs in torch unless the native kernel does it for every layer
         # (it does when there is no q/k norm between projection and rotation)
         self._torch_rope = self.native_attention is None or any(
             layer.q_norm is not None for layer in self.layers
         )
+        if cuda_graphs and self.device.type == "cuda":  # last: recording runs the decode step
+            vocab = model.lm_head.weight.shape[0]
+            self.graphs = DecodeGraphs(self._decode, max_slots, max_len, vocab, self.device)
 
     @torch.inference_mode()
     def _rope_table(self, max_len: int) -> None:
