@@ -21,6 +21,7 @@ the graphs recorded (`keep_addresses`) instead of rebuilding them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -102,10 +103,13 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _record_all(self, capture: bool) -> None:
         pool = torch.cuda.graph_pool_handle() if capture else None
+        start = time.perf_counter()
         try:
             for rows, span in self.keys():
                 run = partial(self._forward, rows, span)
                 self.graphs[rows, span] = self._record(run, pool) if capture else run
+            took = time.perf_counter() - start
+            logger.info("decode step: %d CUDA graphs in %.2f s", len(self.graphs), took)
         except RuntimeError:  # a failed capture may leave the pool unusable: eager steps
             logger.exception("recording the decode step as CUDA graphs failed: eager steps")
             self.failed = True
