@@ -195,3 +195,29 @@ def test_on_a_gpu_a_thread_training_beside_the_engine_runs_undisturbed(tiny_path
         trainer.join()
         engine.shutdown()
     assert not errors
+
+
+def test_positions_kept_on_the_host_follow_the_device_ones():
+    """On a GPU the batch keeps a host copy of its positions (the step's span and the
+    rows to move come from it); `meta` stands in for the GPU here."""
+    from concurrent.futures import Future
+
+    from nexrl.inference.sampler import StopChecker
+    from nexrl.inference.scheduler import Pending, Row, RunningBatch
+
+    batch = RunningBatch(8, 64, device="meta")
+    assert batch.host_pos is not batch.pos and batch.host_pos.device.type == "cpu"
+    params = SamplingParams(max_new_tokens=8, n=4)
+    pending = Pending(GenerationRequest([1, 2], params), Future(), [0], StopChecker(None, []))
+    rows = [Row(pending, k, None) for k in range(4)]
+    batch.add_rows(rows[:2], [5, 9])
+    batch.add_rows(rows[2:], [3, 7])
+    assert batch.host_pos[:4].tolist() == [4, 8, 2, 6] and batch.max_pos() == 8
+    tokens = torch.zeros(2, dtype=torch.long, device="meta")
+    batch.record(slice(2, 4), tokens, torch.zeros(2, device="meta"), 0)
+    assert batch.host_pos[:4].tolist() == [4, 8, 3, 7]
+    src, dst, span = batch.compact([0, 1])  # rows 2 and 3 move into 0 and 1
+    assert dst.device.type == "meta" and span == 8
+    assert batch.host_pos[:2].tolist() == [3, 7] and batch.max_pos() == 7
+    batch.compact([0, 1])
+    assert batch.max_pos() == -1
