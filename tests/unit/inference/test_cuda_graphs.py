@@ -143,19 +143,30 @@ def test_on_a_gpu_recorded_graphs_decode_with_updated_weights(tiny_path, other_w
     assert run(tiny_path, update_to=other_weights_path) == run(other_weights_path)
 
 
-def test_a_run_config_may_set_the_option_and_a_cpu_engine_records_no_graphs(tiny_path):
-    from nexrl.inference.factory import build_local_engine
+def test_a_run_config_may_set_the_option_and_a_cpu_engine_records_no_graphs(tiny_path, monkeypatch):
+    import nexrl.inference.engine as engine_module
+    from nexrl.inference.factory import build_local_engine, check_engine_options
 
+    received = []
+
+    class Spy(ModelRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            received.append(args[5])  # cuda_graphs, as the engine passes it
+
+    monkeypatch.setattr(engine_module, "ModelRunner", Spy)
     for on in (True, False):
-        engine = build_local_engine({"model": str(tiny_path), "cuda_graphs": on})
+        config = {"model": str(tiny_path), "cuda_graphs": on}
+        check_engine_options({"cuda_graphs": on})  # a known key of the engine section
+        engine = build_local_engine(config)
         try:
             params = SamplingParams(max_new_tokens=3, temperature=0.0)
-            assert (
-                len(engine.generate(GenerationRequest([5, 6], params)).outputs[0].output_ids) == 3
-            )
+            out = engine.generate(GenerationRequest([5, 6], params))
+            assert len(out.outputs[0].output_ids) == 3
             assert engine.runner.graphs is None  # graphs are for a GPU only
         finally:
             engine.shutdown()
+    assert received == [True, False]  # the option reached the runner
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
