@@ -22,6 +22,7 @@ the version that sampled it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -125,6 +126,9 @@ class Engine:
         eos = model.generation_config.eos_token_id
         self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
         self._gen = torch.Generator().manual_seed(seed)
+        # request ids: a random prefix per engine, then a count (no syscall per request;
+        # `next` on a count is atomic, so submitting threads never share an id)
+        self._rid_prefix, self._rid_count = uuid.uuid4().hex[:12], itertools.count()
         self._version = 0
         self._paused = False
         self._stopping = False
@@ -156,7 +160,7 @@ class Engine:
         if params.n > self.max_batch_size:
             raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}")
         if request.rid is None:
-            request.rid = uuid.uuid4().hex
+            request.rid = f"{self._rid_prefix}-{next(self._rid_count)}"
         pending = Pending(
             request,
             Future(),
@@ -386,7 +390,9 @@ class Engine:
         logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst, start)  # (R, V)
         if self.prefix is not None:  # row of the first sample of each prompt
             rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
-            self.prefix.insert(self.runner, [(ids, rep[i]) for i, ids in enumerate(prompts)])
+            items = [(ids, rep[i], None) for i, ids in enumerate(prompts)]
+            for p, anchor in zip(chosen, self.prefix.insert(self.runner, items), strict=True):
+                p.prefix_anchor = anchor  # its samples' inserts start there
         idx = self.batch.add_rows(rows, [len(prompts[i]) for i in src])
         self._sample_and_record(
             idx, logits.index_select(0, to_device(torch.tensor(src), logits.device))
@@ -415,7 +421,8 @@ class Engine:
         for j, (row, out) in zip(rows, taken, strict=True):
             versions = out.output_versions
             if versions and all(v == self._version for v in versions):
-                items.append((row.pending.request.input_ids + out.output_ids[:-1], j))
+                tokens = row.pending.request.input_ids + out.output_ids[:-1]
+                items.append((tokens, j, row.pending.prefix_anchor))
         self.prefix.insert(self.runner, items)
 
     def _abort(self, rid: str | None) -> None:

@@ -14,7 +14,8 @@ allocates no Python object (the engine caches every prompt and sample: with an o
 and a dict per token the default run's rollout side took 13 ms a step longer, with
 these lists no longer than without a cache). Eviction takes least-recently-used
 leaves, so the whole prefix of a cached token is always cached too. The KV depends on
-the weights: a weight update clears the cache.
+the weights: a weight update clears the cache. A finished sample's insert starts where
+its prompt's ended (`Anchor`), so it walks its new tokens only.
 
 Prompts admitted together that share a prefix none of them has cached (64 chats with
 one system prompt) are split into two prefill waves by `split_waves`: one prompt per
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +40,16 @@ MIN_SHARED_TOKENS = 16
 wave to be split in two (a second prefill forward has a fixed cost)."""
 
 _ROOT = -1
+
+
+class Anchor(NamedTuple):
+    """Where an inserted sequence's cached path ends: its first `depth` tokens are cached,
+    the last at `slot` (the root, -1, for none). Valid in its `epoch` only: an eviction
+    or a clear may reuse the slot."""
+
+    epoch: int
+    slot: int
+    depth: int
 
 
 def _key(parent: int, token: int) -> int:
@@ -66,6 +78,7 @@ class PrefixCache:
         self._parent, self._token = [0] * capacity, [0] * capacity
         self._children, self._used = [0] * capacity, [0] * capacity
         self.stats = {"cached_tokens": 0, "evicted_tokens": 0}  # hits: the engine counts them
+        self._epoch = 0  # +1 at every clear and eviction: an `Anchor` is valid in its epoch
         self.clear()
 
     @classmethod
@@ -93,6 +106,7 @@ class PrefixCache:
         self._free: list[int] = []  # evicted slots
         self._fresh = 0  # slots [fresh, capacity) were never used since the last clear
         self._clock = 0
+        self._epoch += 1  # anchors made before are void
         self.stats["cached_tokens"] = 0
 
     # -- lookup -----------------------------------------------------------------------------
@@ -142,16 +156,24 @@ class PrefixCache:
         places = [(row, pos, s) for row, slots in targets for pos, s in enumerate(slots)]
         self._copy(runner, places, into_store=False)
 
-    def insert(self, runner, items: Sequence[tuple[Sequence[int], int]]) -> None:
-        """Cache prompts whose KV the runner's cache holds: each (tokens, row) has
-        positions [0, len(tokens)) of cache row `row`. Tokens already cached are skipped;
-        when the store is full, least-recently-used leaves make room."""
+    def insert(
+        self, runner, items: Sequence[tuple[Sequence[int], int, Anchor | None]]
+    ) -> list[Anchor]:
+        """Cache token sequences whose KV the runner's cache holds: each (tokens, row,
+        anchor) has positions [0, len(tokens)) of cache row `row`. Tokens already cached
+        are skipped; when the store is full, least-recently-used leaves make room.
+
+        Returns each item's `Anchor`. Passed with a longer sequence that starts with the
+        same tokens (a sample of the prompt inserted at prefill), it starts the walk where
+        the earlier one ended instead of at the root."""
         self._clock += 1
         new: list[tuple[int, int, int]] = []  # (row, position, slot)
+        ends: list[tuple[int, int]] = []
         child, used = self._child, self._used
-        for tokens, row in items:
-            node = _ROOT
-            for pos, t in enumerate(tokens):
+        for tokens, row, anchor in items:
+            node, depth = self._resume(anchor)
+            for pos in range(depth, len(tokens)):
+                t = tokens[pos]
                 key = _key(node, t)
                 slot = child.get(key)
                 if slot is None:
@@ -164,9 +186,22 @@ class PrefixCache:
                         self._children[node] += 1
                     new.append((row, pos, slot))
                 used[slot] = self._clock
-                node = slot
+                node, depth = slot, pos + 1
+            ends.append((node, depth))
         self.stats["cached_tokens"] += len(new)
         self._copy(runner, new, into_store=True)
+        # evictions by this insert spare its own nodes: the anchors hold at the new epoch
+        return [Anchor(self._epoch, node, depth) for node, depth in ends]
+
+    def _resume(self, anchor: Anchor | None) -> tuple[int, int]:
+        """(node, tokens on its path) to start a walk at: the anchor's while nothing was
+        evicted or cleared since it was made, else the root. The node is marked used, so
+        that this insert's evictions keep it."""
+        if anchor is None or anchor.epoch != self._epoch:
+            return _ROOT, 0
+        if anchor.slot != _ROOT:
+            self._used[anchor.slot] = self._clock
+        return anchor.slot, anchor.depth
 
     def _copy(self, runner, places: list[tuple[int, int, int]], into_store: bool) -> None:
         """Copy K and V of every layer between (cache row, position) and store slot, for
@@ -181,9 +216,16 @@ class PrefixCache:
         store_idx = (slot[:, None] * self.n_kv + heads).flatten()
         cache_idx, store_idx = to_device(cache_idx, device), to_device(store_idx, device)
         d = runner.head_dim
+        # fresh slots come in one ascending run: a gather straight into that span of the
+        # store (on a CPU, index_copy_ costs several times a plain copy)
+        first = places[0][2]
+        run = into_store and torch.equal(slot, torch.arange(first, first + len(places)))
+        span = slice(first * self.n_kv, (first + len(places)) * self.n_kv)
         for cache, store in zip(runner.k_cache + runner.v_cache, self.k + self.v, strict=True):
             cache, store = cache.view(-1, d), store.view(-1, d)
-            if into_store:
+            if run:
+                torch.index_select(cache, 0, cache_idx, out=store[span])
+            elif into_store:
                 store.index_copy_(0, store_idx, cache.index_select(0, cache_idx))
             else:
                 cache.index_copy_(0, cache_idx, store.index_select(0, store_idx))
@@ -220,6 +262,7 @@ class PrefixCache:
                     heapq.heappush(heap, (used[parent], parent))
         self.stats["evicted_tokens"] += freed
         self.stats["cached_tokens"] -= freed
+        self._epoch += 1
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

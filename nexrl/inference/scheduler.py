@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nexrl.inference.prefix_cache import Anchor
 from nexrl.inference.protocol import (
     GenerationOutput,
     GenerationRequest,
@@ -41,6 +42,7 @@ class Pending:
     left: int = 0
     aborted: bool = False
     on_token: TokenCallback | None = None  # streaming requests only
+    prefix_anchor: Anchor | None = None  # where its prompt's path in the prefix cache ends
 
     def finish_sample(self, index: int, output: GenerationOutput) -> None:
         self.outputs[index] = output

@@ -151,6 +151,22 @@ def test_abort_returns_partial_output(tiny_path):
         eng.shutdown()
 
 
+def test_request_ids_are_unique_across_submitting_threads(engine):
+    """Requests without a `rid` get one from the engine (abort finds them by it): distinct
+    however many threads submit at once; a caller's own `rid` is kept."""
+
+    def submit(_: int) -> str:
+        request = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=0))
+        engine.submit(request).result(timeout=30)
+        return request.rid
+
+    with ThreadPoolExecutor(8) as pool:
+        rids = list(pool.map(submit, range(400)))
+    assert len(set(rids)) == 400 and all(rids)
+    mine = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=0), rid="mine")
+    assert engine.submit(mine).result(timeout=30).rid == "mine"
+
+
 def test_pause_holds_and_weight_update_bumps_version(tiny_path, other_weights_path):
     eng = build_engine(tiny_path, max_batch_size=8)
     assert isinstance(eng, Engine)

@@ -171,11 +171,11 @@ def test_eviction_keeps_recent_prefixes_and_whole_paths():
     runner = _Runner()
     cache = PrefixCache(1, 2, 4, capacity=16, dtype=torch.float32, device=torch.device("cpu"))
     old, recent = list(range(100, 110)), list(range(200, 206))
-    cache.insert(runner, [(old, 0)])
-    cache.insert(runner, [(recent, 1)])
+    cache.insert(runner, [(old, 0, None)])
+    cache.insert(runner, [(recent, 1, None)])
     assert cache.match(recent + [1]) and len(cache.match(old + [1])) == 10
     cache.match(recent + [1])  # recent is now the most recently used
-    cache.insert(runner, [(list(range(300, 306)), 2)])  # 6 more: the oldest leaves go
+    cache.insert(runner, [(list(range(300, 306)), 2, None)])  # 6 more: the oldest leaves go
     assert len(cache.match(recent + [1])) == 6
     kept = cache.cached_length(old + [1])
     assert kept < 10 and cache.stats["evicted_tokens"] >= 6
@@ -188,13 +188,57 @@ def test_eviction_keeps_recent_prefixes_and_whole_paths():
     assert torch.equal(target.v_cache[0][row, :, :kept], runner.v_cache[0][row, :, :kept])
 
 
+def _kv_matches(cache: PrefixCache, runner: _Runner, row: int, tokens: list[int]) -> bool:
+    """The cached KV of `tokens` is what row `row` of `runner` holds at their positions."""
+    target = _Runner(rows=1)
+    slots = cache.match(tokens + [1])
+    cache.load(target, [(0, slots)])
+    n = len(slots)
+    return all(
+        torch.equal(t[0][0, :, :n], r[0][row, :, :n])
+        for t, r in ((target.k_cache, runner.k_cache), (target.v_cache, runner.v_cache))
+    )
+
+
+def test_an_anchor_starts_a_longer_insert_where_its_prefix_ended():
+    runner = _Runner()
+    cache = PrefixCache(1, 2, 4, capacity=64, dtype=torch.float32, device=torch.device("cpu"))
+    prompt = list(range(100, 110))
+    (anchor,) = cache.insert(runner, [(prompt, 0, None)])
+    assert (anchor.depth, cache.stats["cached_tokens"]) == (10, 10)
+    sample = prompt + [7, 8, 9]  # row 1 holds the sample: its prompt KV was copied there
+    runner.k_cache[0][1, :, :10] = runner.k_cache[0][0, :, :10]
+    runner.v_cache[0][1, :, :10] = runner.v_cache[0][0, :, :10]
+    (end,) = cache.insert(runner, [(sample, 1, anchor)])
+    assert end.depth == 13 and cache.stats["cached_tokens"] == 13
+    assert cache.cached_length(sample + [1]) == 13 and _kv_matches(cache, runner, 1, sample)
+
+
+def test_a_stale_anchor_walks_from_the_root():
+    """An eviction may give the anchor's slot to another token: the walk must not start
+    there (the sample would hang under that token and never be found)."""
+    runner = _Runner()
+    cache = PrefixCache(1, 2, 4, capacity=16, dtype=torch.float32, device=torch.device("cpu"))
+    old = list(range(100, 110))
+    (anchor,) = cache.insert(runner, [(old, 0, None)])
+    cache.insert(runner, [(list(range(200, 206)), 1, None)])
+    cache.insert(runner, [(list(range(300, 306)), 2, None)])  # evicts the end of `old`
+    assert cache.cached_length(old + [1]) < 10
+    (end,) = cache.insert(runner, [(old + [7, 8], 0, anchor)])
+    assert end.depth == cache.cached_length(old + [7, 8, 1]) > 0
+    assert _kv_matches(cache, runner, 0, old + [7, 8])
+    cache.clear()  # a weight update: every anchor is void
+    (end,) = cache.insert(runner, [(old + [7, 8], 0, end)])
+    assert cache.cached_length(old + [7, 8, 1]) == end.depth == 12
+
+
 def test_split_waves_needs_a_shared_uncached_prefix():
     runner = _Runner(max_len=64)
     cache = PrefixCache(1, 2, 4, capacity=256, dtype=torch.float32, device=torch.device("cpu"))
     shared = list(range(1, 1 + MIN_SHARED_TOKENS))
     prompts = [shared + [50], [9, 9], shared + [51, 52], shared[:-1] + [60]]
     assert cache.split_waves(prompts) == ([0], [1, 2, 3])
-    cache.insert(runner, [(shared, 0)])  # cached now: nothing left to share
+    cache.insert(runner, [(shared, 0, None)])  # cached now: nothing left to share
     assert cache.split_waves(prompts) == ([], [0, 1, 2, 3])
 
 
