@@ -38,7 +38,7 @@ def served(replicas) -> list[int]:
 def test_least_outstanding_then_prefix_affinity(replicas, tiny_model_path):
     balancer = ReplicaBalancer(replicas, tiny_model_path)
     before = served(replicas)
-    long_one = threading.Thread(target=balancer.generate, args=(request(tokens=400),))
+    long_one = threading.Thread(target=balancer.generate, args=(request(tokens=240),))
     long_one.start()
     while sum(balancer.outstanding()) < 1:
         time.sleep(0.01)
