@@ -13,7 +13,10 @@ after the GPU is done.
 
 Last line: `engine_vs_bare_loop: X` (engine tokens/s / bare tokens/s; target >= 0.9).
 `old_logprob_pass_vs_train_step` is the no-grad old-logprob pass over one train step:
-what skipping it on-policy saves on the train side.
+what skipping it on-policy saves on the train side. `vocab_projection_vs_checkpointed`:
+forward + backward through an output layer of `--proj-vocab` tokens for `--proj-rows`
+positions, autograd under activation checkpointing (the chunked logprobs before
+`nexrl/training/vocab_projection.py`) over the engine's own backward (>1: faster).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from nexrl.models.tiny import build_tiny_qwen2
 from nexrl.training.synthetic import random_batch
 from nexrl.training.torch_engine import TorchTrainEngine
+from nexrl.training.vocab_projection import projected_logprobs
 from nexrl.types import Batch
 
 PPO = {"clip_low": 0.2, "clip_high": 0.28}
@@ -58,6 +62,36 @@ def full_batch(n: int, t: int, vocab_size: int) -> Batch:
     return batch
 
 
+def _checkpointed_logprobs(rows, head, targets):
+    def project(r, h):
+        logits = (r @ h.T).float()
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+    return torch.utils.checkpoint.checkpoint(project, rows, head, use_reentrant=False)
+
+
+def projection_ratio(rows: int, hidden: int, vocab: int, rounds: int) -> float:
+    """Seconds of forward + backward through the output layer, checkpointed autograd over
+    `projected_logprobs`, interleaved round by round (>1: the engine's is faster)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen).requires_grad_()
+    head = (torch.randn(vocab, hidden, generator=gen) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    cpu = torch.device("cpu")
+
+    def old():
+        _checkpointed_logprobs(x, head, targets).sum().backward()
+
+    def new():
+        projected_logprobs(x, head, targets)[0].sum().backward()
+
+    t_old = t_new = 0.0
+    for _ in range(rounds):
+        t_old += timed(old, 1, cpu)
+        t_new += timed(new, 1, cpu)
+    return t_old / t_new
+
+
 def timed(fn, steps: int, device: torch.device) -> float:
     start = time.perf_counter()
     for _ in range(steps):
@@ -76,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--proj-rows", type=int, default=512)
+    p.add_argument("--proj-hidden", type=int, default=576)
+    p.add_argument("--proj-vocab", type=int, default=49152)  # SmolLM2's output layer
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (seconds)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return p
@@ -85,6 +122,7 @@ def main(argv: list[str] | None = None) -> float:
     args = parser().parse_args(argv)
     if args.smoke:
         args.batch, args.seq, args.hidden, args.layers, args.rounds, args.steps = 2, 16, 32, 1, 1, 1
+        args.proj_rows, args.proj_hidden, args.proj_vocab = 8, 32, 64
     torch.set_num_threads(args.threads)
     path = build_tiny_qwen2(
         tempfile.mkdtemp() + "/m",
@@ -122,6 +160,7 @@ def main(argv: list[str] | None = None) -> float:
         t_bare += timed(run_bare, args.steps, engine.device)
         t_old += timed(run_old_logprobs, args.steps, engine.device)
     tokens = args.batch * args.seq * args.steps * args.rounds
+    proj = projection_ratio(args.proj_rows, args.proj_hidden, args.proj_vocab, args.rounds)
     lines = [
         f"device: {engine.device}  threads: {args.threads}  model: hidden {args.hidden} x "
         f"{args.layers} layers  batch: {args.batch} x {args.seq}  "
@@ -129,6 +168,8 @@ def main(argv: list[str] | None = None) -> float:
         f"engine_tokens_per_s: {tokens / t_engine:.1f}",
         f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}",
         f"old_logprob_pass_vs_train_step: {t_old / t_engine:.3f}",
+        f"vocab_projection_vs_checkpointed ({args.proj_rows} x {args.proj_hidden} x "
+        f"{args.proj_vocab}): {proj:.3f}",
         f"engine_vs_bare_loop: {t_bare / t_engine:.3f}",
     ]
     print("\n".join(lines))

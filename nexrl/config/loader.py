@@ -8,6 +8,7 @@ begins with `defaults: [rl_train, _self_]` to inherit the packaged default.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -19,6 +20,7 @@ from nexrl.config.schema import CHOICES, RLTrainConfig
 from nexrl.config.suggest import ConfigError, check_known_keys, explain_unknown_key
 
 PACKAGE_CONFIG_DIR = Path(__file__).parent
+logger = logging.getLogger(__name__)
 
 
 def register_schema() -> None:
@@ -48,6 +50,7 @@ def load_config(
         GlobalHydra.instance().clear()
     check_known_keys(cfg)
     validate_choices(cfg)
+    warn_serial_groups(cfg)
     return cfg
 
 
@@ -68,6 +71,22 @@ def validate_choices(cfg: DictConfig) -> None:
             f"trajectory_pool.batch_size={cfg.trajectory_pool.batch_size} must be a multiple of "
             f"trajectory_pool.group_size={cfg.trajectory_pool.group_size}"
         )
+
+
+def warn_serial_groups(cfg: DictConfig) -> None:
+    """Warn when a train batch's groups cannot all be generating at once: each rollout
+    worker runs one group at a time, so fewer workers than groups per batch send a step's
+    prompts to the engine in rounds instead of one batch."""
+    from nexrl.builders import groups_per_batch
+
+    groups, workers = groups_per_batch(cfg), cfg.rollout_worker.num_workers
+    if workers < groups:
+        logger.warning(
+            "rollout_worker.num_workers=%d is below the %d groups of a train batch "
+            "(trajectory_pool.batch_size / group_size): a step's prompts reach the engine "
+            "in %d rounds; set rollout_worker.num_workers=%d to generate them together",
+            workers, groups, -(-groups // workers), groups,
+        )  # fmt: skip
 
 
 def _explain(exc: BaseException) -> str:

@@ -50,7 +50,8 @@ class RolloutWorkerConfig:
     num_workers: int = 16
     """Rollout worker threads (local) or actors (Ray); each handles one task at a time. One
     per group of a train batch (`trajectory_pool.batch_size / group_size`) lets a step's
-    prompts reach the engine together, so they decode as one batch."""
+    prompts reach the engine together, so they decode as one batch; fewer log a warning at
+    start."""
     group_size: int = 16
     """Samples per prompt (the GRPO group, the `n` of the request)."""
     reward_fn: str = "shift_letters"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nexrl.training.vocab_projection import projected_logprobs
+
 
 def split_by_tokens(attention_mask: torch.Tensor, budget: int) -> list[list[int]]:
     """Row indices of each micro-batch; real tokens per micro-batch <= budget (or one row)."""
@@ -118,9 +120,9 @@ def chunked_token_logprobs(
     """`token_logprobs` from hidden states, without the (N, L, V) logits tensor.
 
     Only the tokens in `select` (default: every real token) are projected onto the
-    vocabulary, `chunk_tokens` rows at a time, in float32. With autograd on, each chunk
-    runs under activation checkpointing, so backward recomputes the chunk's (rows, V)
-    logits instead of keeping them: peak memory holds one chunk of logits, not T x V.
+    vocabulary, `chunk_tokens` rows at a time, in float32. With autograd on, backward
+    recomputes each chunk's (rows, V) logits instead of keeping them
+    (`vocab_projection.py`): peak memory holds one chunk of logits, not T x V.
     Tokens off `select` get 0, like positions off the mask.
     """
     ids = inputs.input_ids
@@ -156,9 +158,7 @@ def project_rows(
 
 def _chunk(rows, head, targets, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.is_grad_enabled() and (rows.requires_grad or head.requires_grad):
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(_project, rows, head, targets, with_entropy, use_reentrant=False)
+        return projected_logprobs(rows, head, targets, with_entropy)
     return _project(rows, head, targets, with_entropy)
 
 

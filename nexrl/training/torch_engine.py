@@ -70,7 +70,7 @@ class TorchTrainEngine:
             self.model = apply_lora(self.model, self.config.lora)
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = _adamw(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
             betas=self.config.betas,
@@ -363,6 +363,20 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     inner = getattr(module, "module", module)  # DDP
     get_base = getattr(inner, "get_base_model", None)  # peft
     return get_base() if get_base is not None else inner
+
+
+def _adamw(params: list[torch.nn.Parameter], **options: Any) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel for these parameters (CPU and CUDA): one
+    pass per tensor instead of about six ops (SmolLM2's 135M fp32 parameters on 2 AMD
+    EPYC cores: 536 -> 119 ms a step). Same update up to float rounding; elsewhere
+    (other devices, sharded parameters) the default implementation."""
+    sharded = any(type(p).__name__ == "DTensor" for p in params)
+    if params and not sharded and all(p.device.type in ("cpu", "cuda") for p in params):
+        try:
+            return torch.optim.AdamW(params, fused=True, **options)
+        except (RuntimeError, ValueError):  # a dtype or device without the fused kernel
+            pass
+    return torch.optim.AdamW(params, **options)
 
 
 def _can_chunk(model: torch.nn.Module, config: EngineConfig) -> bool:

@@ -55,6 +55,17 @@ def test_batch_size_must_hold_whole_groups():
         load_config(["trajectory_pool.batch_size=10"])
 
 
+def test_fewer_rollout_workers_than_groups_per_batch_warn(caplog):
+    with caplog.at_level("WARNING", logger="nexrl.config.loader"):
+        load_config(["trajectory_pool.batch_size=64", "rollout_worker.group_size=8"])
+        assert not caplog.records  # 16 workers for 8 groups
+        load_config(["trajectory_pool.batch_size=64", "rollout_worker.group_size=8",
+                     "rollout_worker.num_workers=3"])  # fmt: skip
+    (record,) = caplog.records
+    assert "rollout_worker.num_workers=3 is below the 8 groups" in record.getMessage()
+    assert "in 3 rounds" in record.getMessage()
+
+
 def test_unknown_key_in_user_yaml_is_named(tmp_path):
     (tmp_path / "mine.yaml").write_text(
         "defaults:\n  - rl_train\n  - _self_\ntrain_worker:\n  total_steps: 3\n"
@@ -72,9 +83,11 @@ def test_user_yaml_inherits_the_default(tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "nexrl" / "config").rglob("*.yaml")))
-def test_every_shipped_config_loads(path):
-    cfg = load_config(config_name=path.stem, config_dir=path.parent)
+def test_every_shipped_config_loads(path, caplog):
+    with caplog.at_level("WARNING", logger="nexrl.config.loader"):
+        cfg = load_config(config_name=path.stem, config_dir=path.parent)
     OmegaConf.to_container(cfg, resolve=True)
+    assert not caplog.records  # e.g. a recipe whose batch generates in rounds
 
 
 def test_configuration_reference_is_current():
