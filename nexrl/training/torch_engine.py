@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM
 
 from nexrl.algorithms.objective import compute_loss
 from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_state_dict
@@ -37,6 +37,7 @@ from nexrl.training.microbatch import (
     split_by_tokens,
     token_logprobs,
 )
+from nexrl.training.optim import make_adamw, make_scheduler
 from nexrl.training.parallel import all_reduce_sum, init_from_env, wrap_model
 from nexrl.training.shared_prefix import (
     plan_prefixes,
@@ -70,14 +71,14 @@ class TorchTrainEngine:
             self.model = apply_lora(self.model, self.config.lora)
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = _adamw(
+        self.optimizer = make_adamw(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
             betas=self.config.betas,
             eps=self.config.eps,
             weight_decay=self.config.weight_decay,
         )
-        self.scheduler = _make_scheduler(self.optimizer, self.config)
+        self.scheduler = make_scheduler(self.optimizer, self.config)
         self.ref_model = None
         if self.config.ref_model_path:
             ref_path = str(resolve_model(self.config.ref_model_path))
@@ -365,20 +366,6 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return get_base() if get_base is not None else inner
 
 
-def _adamw(params: list[torch.nn.Parameter], **options: Any) -> torch.optim.AdamW:
-    """AdamW, fused where torch has the kernel for these parameters (CPU and CUDA): one
-    pass per tensor instead of about six ops (SmolLM2's 135M fp32 parameters on 2 AMD
-    EPYC cores: 536 -> 119 ms a step). Same update up to float rounding; elsewhere
-    (other devices, sharded parameters) the default implementation."""
-    sharded = any(type(p).__name__ == "DTensor" for p in params)
-    if params and not sharded and all(p.device.type in ("cpu", "cuda") for p in params):
-        try:
-            return torch.optim.AdamW(params, fused=True, **options)
-        except (RuntimeError, ValueError):  # a dtype or device without the fused kernel
-            pass
-    return torch.optim.AdamW(params, **options)
-
-
 def _can_chunk(model: torch.nn.Module, config: EngineConfig) -> bool:
     """Chunking needs a plain linear head and whole (unsharded) head weights."""
     head = model.get_output_embeddings()
@@ -490,15 +477,3 @@ def _seed_everything(seed: int, deterministic: bool) -> None:
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-
-
-def _make_scheduler(optimizer: torch.optim.Optimizer, config: EngineConfig):
-    if config.lr_schedule == "cosine":
-        return get_scheduler(
-            "cosine_with_min_lr",
-            optimizer,
-            num_warmup_steps=config.warmup_steps,
-            num_training_steps=config.total_steps,
-            scheduler_specific_kwargs={"min_lr_rate": config.min_lr_ratio},
-        )
-    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=config.warmup_steps)
