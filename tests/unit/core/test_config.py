@@ -43,6 +43,8 @@ def test_override_changes_value():
         ("weight.sync_mode=eventually", "weight.sync_mode"),
         ("runtime_monitor.exception_handling.policy=pray", "policy"),
         ("launch_mode=cloud", "launch_mode"),
+        ("rollout_worker.num_workers=0", "rollout_worker.num_workers=0 must be >= 1"),
+        ("train_worker.num_workers=0", "train_worker.num_workers=0 must be >= 1"),
     ],
 )
 def test_bad_override_names_the_key(override, named):
