@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 from _machine import describe
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
 from nexrl.models.tiny import build_tiny_qwen2
+from nexrl.training.microbatch import _project
 from nexrl.training.synthetic import random_batch
 from nexrl.training.torch_engine import TorchTrainEngine
 from nexrl.training.vocab_projection import projected_logprobs
@@ -62,14 +64,6 @@ def full_batch(n: int, t: int, vocab_size: int) -> Batch:
     return batch
 
 
-def _checkpointed_logprobs(rows, head, targets):
-    def project(r, h):
-        logits = (r @ h.T).float()
-        return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-
-    return torch.utils.checkpoint.checkpoint(project, rows, head, use_reentrant=False)
-
-
 def projection_ratio(rows: int, hidden: int, vocab: int, rounds: int) -> float:
     """Seconds of forward + backward through the output layer, checkpointed autograd over
     `projected_logprobs`, interleaved round by round (>1: the engine's is faster)."""
@@ -80,7 +74,7 @@ def projection_ratio(rows: int, hidden: int, vocab: int, rounds: int) -> float:
     cpu = torch.device("cpu")
 
     def old():
-        _checkpointed_logprobs(x, head, targets).sum().backward()
+        checkpoint(_project, x, head, targets, False, use_reentrant=False)[0].sum().backward()
 
     def new():
         projected_logprobs(x, head, targets)[0].sum().backward()

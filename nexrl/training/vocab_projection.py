@@ -15,7 +15,8 @@ logits' gradient into the recomputed logits in place:
     d ent / d z  = -p * (log p + ent)        (ent = -sum p log p)
 
 so one (n, V) buffer serves the recompute and the gradient (one more, `p`, with entropy).
-On 2 AMD EPYC cores, 913 rows of SmolLM2's head, forward and backward: 3.2 -> 2.4 s.
+`benchmarks/bench_training.py` measures it against the checkpointed autograd path
+(`vocab_projection_vs_checkpointed`: 1.24 on SmolLM2's head, one AMD EPYC core).
 Autocast is honoured: backward runs its products under the forward's autocast state.
 """
 
