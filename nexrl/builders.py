@@ -181,6 +181,7 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
         groups_per_batch=groups_per_batch(cfg),
         max_task_retries=cfg.rollout_worker.max_task_retries,
         inflight_capable=capable,
+        last_step=cfg.train_worker.total_train_steps or 0,
     )
 
 

@@ -19,7 +19,7 @@ class RecordingInferenceClient:
         self.updates.append(meta)
 
 
-def make(validate_freq=0):
+def make(validate_freq=0, last_step=0):
     client = RecordingInferenceClient()
     wsc = WeightSyncController(
         WeightConfig(sync_mode="sync", validate_freq=validate_freq),
@@ -27,6 +27,7 @@ def make(validate_freq=0):
         "/tmp/sync",
         groups_per_batch=2,
         max_task_retries=0,
+        last_step=last_step,
     )
     loader = InMemoryDataLoader({}, items=[{"prompt": f"p{i}"} for i in range(10)])
     pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2))
@@ -74,6 +75,40 @@ def test_validation_holds_training_admission_until_it_ends():
     wsc.end_validate("default")
     assert not wsc.is_waiting_for_validation()
     assert not wsc.acquire_task("default").is_validate
+
+
+def test_a_due_validation_holds_admission_before_the_push_lands():
+    """A worker waiting for the push must not slip a training task in between the new
+    version and the validation: the validation would share the engine with that batch."""
+    wsc, pool, _ = make(validate_freq=1)
+    land(wsc, pool)
+    land(wsc, pool)
+    pool.get_batch()
+    slipped = []
+    set_version = wsc.admission.set_version
+
+    def then_a_worker_asks(tag, version):  # the moment the new version admits rollouts
+        set_version(tag, version)
+        slipped.append(wsc.acquire_task("default"))
+
+    wsc.admission.set_version = then_a_worker_asks
+    wsc.train_worker_notify_weight_update("train_worker_0", "default")
+    assert slipped == [None]
+    assert wsc.is_waiting_for_validation()
+
+
+def test_no_training_task_is_admitted_after_the_last_step():
+    wsc, pool, client = make(last_step=1)
+    land(wsc, pool)
+    land(wsc, pool)
+    pool.get_batch()
+    wsc.train_worker_notify_weight_update("train_worker_0", "default")
+    assert [u.version for u in client.updates] == [1]  # the final weights still serve
+    assert wsc.acquire_task("default") is None  # nothing more will be trained
+    wsc.start_validate("default")
+    assert wsc.acquire_task("default").is_validate  # the final validation runs
+    wsc.end_validate("default")
+    assert wsc.acquire_task("default") is None
 
 
 def test_versions_are_per_model_tag():
