@@ -103,12 +103,21 @@ def _verify_pool() -> Any:
     global _pool
     with _pool_lock:
         if _pool is None:
-            import multiprocessing
+            import multiprocessing.util
 
             from pebble import ProcessPool
 
             _pool = ProcessPool(max_workers=2, context=multiprocessing.get_context("forkserver"))
+            # stopped before multiprocessing joins a process's children at its exit: a
+            # multiprocessing child that scored a sample otherwise hangs when it ends
+            multiprocessing.util.Finalize(_pool, _stop_pool, exitpriority=10)
         return _pool
+
+
+def _stop_pool() -> None:
+    if _pool is not None:
+        _pool.stop()
+        _pool.join(10)
 
 
 def symbolic_equal(gold: str, pred: str, timeout_s: float = 5.0) -> bool:

@@ -92,3 +92,28 @@ def test_math_verify_off_the_main_thread() -> None:
     thread.join(120)
     assert isinstance(results["raw"], ValueError)  # why the pool exists
     assert results["ours"] is True and results["ours_false"] is False
+
+
+def _score_off_the_main_thread(box) -> None:  # runs in a spawned child process
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(symbolic_equal("1/2", "0.5", 5)))
+    thread.start()
+    thread.join(60)
+    box.put(result)
+
+
+def test_a_child_process_that_used_the_verify_pool_exits() -> None:
+    """The pool's worker processes must not keep a multiprocessing child from ending:
+    multiprocessing joins a child's own children when it exits, before `atexit`."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    box = ctx.Queue()
+    child = ctx.Process(target=_score_off_the_main_thread, args=(box,))
+    child.start()
+    assert box.get(timeout=120) == [True]  # it scored through the pool
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
