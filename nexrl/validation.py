@@ -5,6 +5,7 @@ Validation is complete when every task of the validation set came back, as
 
 - `val/reward`, `val/response_length`, `val/num_samples`, and the mean of each
   named reward component (`val/<name>`);
+- `val/time_s`: seconds from the start of the validation to its metrics;
 - per source (the row column `validate.source_key`, e.g. `data_source`, when the
   rows have it): `val/<source>/reward`;
 - with `validate.n_samples` = n > 1: `val/pass@k` for k = 1, 2, 4, ... up to n, the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections import defaultdict
 
 from nexrl.config.schema import ValidateConfig
@@ -47,6 +49,7 @@ class Validator(NexRLModule):
         self._trajectories: list[Trajectory] = []
         self._expected: int | None = None
         self._failed_at_start = 0
+        self._started: float | None = None
         self._validate_dataloader: DataLoaderLike | None = None
 
     def set_module_references(self, validate_dataloader: DataLoaderLike) -> None:
@@ -57,6 +60,7 @@ class Validator(NexRLModule):
         with self._lock:
             self._trajectories = []
             self._expected = expected
+            self._started = time.monotonic()
         self._failed_at_start = self._failed()
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
@@ -120,6 +124,8 @@ class Validator(NexRLModule):
 
     def compute_and_log_metrics(self) -> dict[str, float]:
         metrics = self.compute_metrics()
+        if metrics and self._started is not None:
+            metrics["val/time_s"] = time.monotonic() - self._started
         if metrics and self._activity_tracker is not None:
             step = self._activity_tracker.get_training_step()
             self._activity_tracker.experiment_logger_post(
@@ -131,3 +137,4 @@ class Validator(NexRLModule):
         with self._lock:
             self._trajectories = []
             self._expected = None
+            self._started = None

@@ -43,6 +43,7 @@ SMOKE_LINES = {
     "bench_async.py": "fully_async_vs_sync_emulated:",
     "bench_rewards.py": "math",
     "bench_ray.py": "ray_vs_local_wallclock:",
+    "bench_validation.py": "validation_concurrency_speedup:",
 }
 
 
@@ -52,7 +53,9 @@ def test_every_benchmark_has_a_smoke_test() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["bench_training.py", "bench_generation.py", "bench_async.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_training.py", "bench_generation.py", "bench_async.py", "bench_validation.py"]
+)
 def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:  # bench_e2e.py: below
     before = {p: p.stat().st_mtime for p in (BENCH / "results").glob("*")}
     out = run_smoke(script, "--out", str(tmp_path))

@@ -66,7 +66,7 @@ def validate_choices(cfg: DictConfig) -> None:
         weights_in_memory(cfg)  # weight.transport=memory where it cannot work
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    for key in ("rollout_worker.num_workers", "train_worker.num_workers"):
+    for key in ("rollout_worker.num_workers", "train_worker.num_workers", "validate.concurrency"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 1")
     if cfg.trajectory_pool.batch_size % max(cfg.trajectory_pool.group_size, 1):

@@ -281,6 +281,12 @@ class ValidateConfig:
     """A sample counts as correct for pass@k when its reward is at least this."""
     source_key: str = "data_source"
     """Row column naming each task's source; rows that have it get `val/<source>/reward`."""
+    concurrency: int = 64
+    """Validation tasks in flight at once, so that a validation set reaches the engine as
+    one batch: each rollout worker runs ceil(concurrency / rollout_worker.num_workers)
+    of them side by side (at least one). The `single_turn` and `simple` workers do;
+    other workers (agents, custom `step`s that do not declare `concurrent_steps = True`)
+    run one task at a time."""
     data: DataConfig = field(
         default_factory=lambda: DataConfig(split="validation", shuffle=False, num_epochs=1)
     )

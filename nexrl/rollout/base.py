@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from nexrl.protocols import (
     WeightSyncLike,
 )
 from nexrl.rewards.runner import RewardCall, RewardOutcome, RewardRunner
+from nexrl.rollout.helpers import HelperThreads
 from nexrl.rollout.sample_policy import resolve_inflight, resolve_partial
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
@@ -59,6 +61,7 @@ class RolloutContext:
     tail_batch_candidate_steps: int
     dynamic_sampling: bool
     system_prompt: str | None
+    validate_tasks_per_worker: int = 1
 
     @classmethod
     def from_config(cls, cfg: DictConfig, inflight_capable: bool = True) -> RolloutContext:
@@ -74,11 +77,22 @@ class RolloutContext:
             tail_batch_candidate_steps=cfg.weight.tail_batch_candidate_steps,
             dynamic_sampling=cfg.algorithm.dynamic_sampling,
             system_prompt=cfg.data.system_prompt,
+            validate_tasks_per_worker=-(
+                -cfg.validate.concurrency // cfg.rollout_worker.num_workers
+            ),
         )
 
 
 class BaseRolloutWorker(LoopModule):
-    """Pulls tasks from the task owner, calls `step`, gives each task back with its result."""
+    """Pulls tasks from the task owner, calls `step`, gives each task back with its result.
+
+    While validating, a worker whose class sets `concurrent_steps = True` (its `step`
+    keeps no per-task state on `self` but `current_task`, which is per thread) runs
+    `validate_tasks_per_worker` validation tasks side by side on helper threads, so that
+    a validation set reaches the engine as one batch instead of one task per worker at
+    a time. The loop waits while they run and takes what comes back after them."""
+
+    concurrent_steps = False
 
     def __init__(
         self,
@@ -103,7 +117,8 @@ class BaseRolloutWorker(LoopModule):
             )
         )
         self._is_running_validate = False
-        self.current_task: Task | None = None
+        self._per_thread = threading.local()  # `current_task`, one per running step
+        self._helpers: HelperThreads | None = None  # validation tasks side by side
         self._trajectory_pool: TrajectoryPoolLike | None = None
         self._dataloader: DataLoaderLike | None = None
         self._weight_sync_controller: WeightSyncLike | None = None
@@ -134,17 +149,54 @@ class BaseRolloutWorker(LoopModule):
 
     def begin_validate(self) -> None:
         """Seed 000: the controller announces validation (tasks come from the validation
-        loader until `end_validate`; the task owner decides which loader serves)."""
+        loader until `end_validate`; the task owner decides which loader serves). Helper
+        threads take validation tasks beside the loop (see the class docstring)."""
         self._is_running_validate = True
+        count = self._context.validate_tasks_per_worker if self.concurrent_steps else 1
+        if count > 1:
+            if self._helpers is None:
+                name = f"{self._module_name}-validate"
+                self._helpers = HelperThreads(name, count, self._validate_tasks)
+            self._helpers.start()
 
     def end_validate(self) -> None:
         self._is_running_validate = False
+        if self._helpers is not None:  # done: their tasks came back and the loader is dry
+            self._helpers.wait(BLOCKING_GET_WAIT_S)
+
+    def _validate_tasks(self) -> None:
+        """A helper's round: take tasks until the validation loader runs dry; a task that
+        comes back after the last helper is done (a retry) is taken by the worker's loop."""
+        while self._is_running_validate:
+            task = self._get_rollout_task()
+            if task is None:
+                return
+            self._run_task(task)
+
+    def health_check(self) -> bool:
+        helpers_ok = self._helpers is None or self._helpers.error is None
+        return super().health_check() and helpers_ok
+
+    @property
+    def current_task(self) -> Task | None:
+        """The task whose `step` runs on the calling thread (None outside a step)."""
+        return getattr(self._per_thread, "task", None)
+
+    @current_task.setter
+    def current_task(self, task: Task | None) -> None:
+        self._per_thread.task = task
 
     # -- the loop ------------------------------------------------------------
     def _loop_once(self) -> bool:
+        if self._helpers is not None and self._helpers.busy:
+            return False  # validation tasks go to the helpers (all start together)
         task = self._get_rollout_task()
         if task is None:
             return False
+        self._run_task(task)
+        return True
+
+    def _run_task(self, task: Task) -> None:
         self.current_task = task
         tracker = self._activity_tracker
         with tracker.track(self._module_name, "rollout", auto_report_errors=False):
@@ -154,7 +206,6 @@ class BaseRolloutWorker(LoopModule):
                 tracker.report_exception(self._module_name, "rollout step", exc)
                 result = StepResult.FAIL
             execute(self._weight_sync_controller.complete_task, self._model_tag(), task, result)
-        return True
 
     def step(self, task: dict[str, Any]) -> StepResult | str | None:
         """Turn one task row into trajectories and hand them on (see module docstring)."""
@@ -256,6 +307,9 @@ class BaseRolloutWorker(LoopModule):
 
     def stop(self) -> None:
         super().stop()
+        if self._helpers is not None:
+            self._helpers.close()
+            self._helpers = None
         if self._rewards is not None:
             self._rewards.close()
 

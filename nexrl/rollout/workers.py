@@ -145,6 +145,8 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     """Generate a group, score each sample with `reward_fn` (None: no reward, the
     `simple` worker), drop uninformative groups under DAPO dynamic sampling."""
 
+    concurrent_steps = True  # per-task state lives in `step` and `current_task`
+
     @cached_property
     def sampler(self) -> GroupSampler:
         return GroupSampler(self)

@@ -116,6 +116,7 @@ def test_validation_with_several_samples_logs_pass_at_k(small_config):
     assert {"val/pass@1", "val/pass@2"} <= set(metrics)
     assert 0.0 <= metrics["val/pass@1"] <= metrics["val/pass@2"] <= 1.0
     assert metrics["val/num_samples"] == 2 * 8  # validate.data.max_items=8, two samples each
+    assert 0 < metrics["val/time_s"] < 120
 
 
 def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):

@@ -45,6 +45,7 @@ def test_override_changes_value():
         ("launch_mode=cloud", "launch_mode"),
         ("rollout_worker.num_workers=0", "rollout_worker.num_workers=0 must be >= 1"),
         ("train_worker.num_workers=0", "train_worker.num_workers=0 must be >= 1"),
+        ("validate.concurrency=0", "validate.concurrency=0 must be >= 1"),
     ],
 )
 def test_bad_override_names_the_key(override, named):
@@ -66,6 +67,15 @@ def test_fewer_rollout_workers_than_groups_per_batch_warn(caplog):
     (record,) = caplog.records
     assert "rollout_worker.num_workers=3 is below the 8 groups" in record.getMessage()
     assert "in 3 rounds" in record.getMessage()
+
+
+@pytest.mark.parametrize(("concurrency", "workers", "each"), [(64, 16, 4), (40, 16, 3), (8, 16, 1)])
+def test_validation_concurrency_is_spread_over_the_rollout_workers(concurrency, workers, each):
+    from nexrl.rollout.base import RolloutContext
+
+    cfg = load_config([f"validate.concurrency={concurrency}",
+                       f"rollout_worker.num_workers={workers}"])  # fmt: skip
+    assert RolloutContext.from_config(cfg).validate_tasks_per_worker == each
 
 
 def test_unknown_key_in_user_yaml_is_named(tmp_path):

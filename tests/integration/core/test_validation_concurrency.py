@@ -1,0 +1,103 @@
+"""Validation tasks run side by side in one rollout worker (`validate.concurrency`), on
+the real in-process engine, task owner, loaders and validator."""
+
+import threading
+import time
+
+import pytest
+
+from nexrl.config.schema import RolloutWorkerConfig
+from nexrl.data import InMemoryDataLoader
+from nexrl.inference.client import LLMServiceClient
+from nexrl.rewards import shift_letters
+from nexrl.rollout.workers import SingleTurnRolloutWorker
+from nexrl.validation import Validator
+from tests.rollout_parts import build_rollout_side, context
+
+TRAIN = [{"prompt": "abcd>", "answer": "bcde"}]
+VALIDATE = [{"prompt": f"{c}bcd>", "answer": "x"} for c in "abcdefgh"]
+
+
+@pytest.fixture
+def client(tiny_model_path):
+    return LLMServiceClient({"backend": "builtin", "model": tiny_model_path, "model_tag": "t"})
+
+
+class InFlight:
+    """Wraps the client's `completion`: counts the calls in flight at once and, with
+    `meet`, holds each call until that many have arrived (a barrier that fails the call
+    when they do not come within a few seconds)."""
+
+    def __init__(self, client, meet: int = 0) -> None:
+        self._completion, self._lock = client.completion, threading.Lock()
+        self._barrier = threading.Barrier(meet, timeout=10) if meet else None
+        self.now = self.most = 0
+        client.completion = self
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            if self._barrier is not None:
+                self._barrier.wait()
+            time.sleep(0.01)  # a slower engine: calls that can overlap do
+            return self._completion(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+def validate(client, tasks_per_worker: int, worker_cls=SingleTurnRolloutWorker):
+    cfg = RolloutWorkerConfig(group_size=2, max_tokens=4, max_task_retries=0)
+    ctx = context(validate_tasks_per_worker=tasks_per_worker)
+    side = build_rollout_side(
+        client, TRAIN, shift_letters, worker=cfg, ctx=ctx, worker_cls=worker_cls
+    )
+    loader = InMemoryDataLoader({}, is_validate=True, items=VALIDATE)
+    validator = Validator()
+    validator.set_activity_tracker(side.worker._activity_tracker)
+    side.wsc.set_module_references(side.loader, side.pool, loader)
+    side.worker.set_module_references(side.pool, side.loader, side.wsc, loader, validator)
+    validator.begin(len(VALIDATE))
+    side.wsc.start_validate("t")
+    side.worker.begin_validate()
+    deadline = time.monotonic() + 60
+    while not validator.is_complete() and time.monotonic() < deadline:
+        side.worker._loop_once() or time.sleep(0.01)  # the worker's own loop
+    side.worker.end_validate()
+    side.wsc.end_validate("t")
+    return side, validator
+
+
+def test_a_worker_runs_its_validation_tasks_side_by_side(client):
+    calls = InFlight(client, meet=4)  # fails unless 4 tasks are in the engine together
+    side, validator = validate(client, tasks_per_worker=4)
+    trajectories = validator._trajectories
+    assert len(trajectories) == len(VALIDATE) and calls.most == 4
+    assert side.tracker.get_counters().get("tasks_failed/validate", 0) == 0
+    # each trajectory carries its own task: `current_task` is per thread
+    assert len({t["task_id"] for t in trajectories}) == len(VALIDATE)
+    assert sorted(t["prompt"] for t in trajectories) == sorted(r["prompt"] for r in VALIDATE)
+    assert side.worker.health_check()
+    assert not side.worker._helpers.busy  # the helpers are parked
+    assert side.wsc.acquire_task("t").is_validate is False  # training resumes
+    side.worker.stop()
+
+
+def test_one_task_per_worker_without_helpers(client):
+    calls = InFlight(client)
+    _, validator = validate(client, tasks_per_worker=1)
+    assert len(validator._trajectories) == len(VALIDATE) and calls.most == 1
+
+
+class CustomWorker(SingleTurnRolloutWorker):
+    """A worker written as users write them: `concurrent_steps` not declared."""
+
+    concurrent_steps = False
+
+
+def test_a_worker_that_does_not_declare_concurrent_steps_runs_one_task_at_a_time(client):
+    calls = InFlight(client)
+    _, validator = validate(client, tasks_per_worker=4, worker_cls=CustomWorker)
+    assert len(validator._trajectories) == len(VALIDATE) and calls.most == 1
