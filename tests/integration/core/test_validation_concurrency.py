@@ -101,3 +101,20 @@ def test_a_worker_that_does_not_declare_concurrent_steps_runs_one_task_at_a_time
     calls = InFlight(client)
     _, validator = validate(client, tasks_per_worker=4, worker_cls=CustomWorker)
     assert len(validator._trajectories) == len(VALIDATE) and calls.most == 1
+
+
+def test_a_helper_that_dies_fails_the_workers_health_check(client):
+    side, _ = validate(client, tasks_per_worker=2)
+    side.worker._loop.stop()  # the test drives the loop itself
+
+    def broken(tag, wait_s=0.0):
+        raise ConnectionError("task owner unreachable")
+
+    side.wsc.acquire_task = broken
+    side.wsc.start_validate("t")
+    side.worker.begin_validate()
+    assert side.worker._helpers.wait(10)
+    side.worker.end_validate()
+    assert isinstance(side.worker._helpers.error, ConnectionError)
+    assert not side.worker.health_check()
+    side.worker.stop()

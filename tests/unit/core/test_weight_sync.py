@@ -47,6 +47,13 @@ def land(wsc, pool):
     wsc.complete_task("default", task, StepResult.SUCCESS)
 
 
+def form_batch(wsc, pool):
+    """The batch's two groups land and the trainer takes it."""
+    land(wsc, pool)
+    land(wsc, pool)
+    assert pool.get_batch() is not None
+
+
 def test_full_batch_blocks_rollouts_until_weights_are_pushed():
     wsc, pool, client = make()
     land(wsc, pool)
@@ -63,9 +70,7 @@ def test_full_batch_blocks_rollouts_until_weights_are_pushed():
 
 def test_validation_holds_training_admission_until_it_ends():
     wsc, pool, _ = make(validate_freq=1)
-    land(wsc, pool)
-    land(wsc, pool)
-    pool.get_batch()
+    form_batch(wsc, pool)
     wsc.train_worker_notify_weight_update("train_worker_0", "default")
     assert wsc.is_waiting_for_validation()
     assert wsc.acquire_task("default") is None  # training data waits for the validation
@@ -81,9 +86,7 @@ def test_a_due_validation_holds_admission_before_the_push_lands():
     """A worker waiting for the push must not slip a training task in between the new
     version and the validation: the validation would share the engine with that batch."""
     wsc, pool, _ = make(validate_freq=1)
-    land(wsc, pool)
-    land(wsc, pool)
-    pool.get_batch()
+    form_batch(wsc, pool)
     slipped = []
     set_version = wsc.admission.set_version
 
@@ -99,9 +102,7 @@ def test_a_due_validation_holds_admission_before_the_push_lands():
 
 def test_no_training_task_is_admitted_after_the_last_step():
     wsc, pool, client = make(last_step=1)
-    land(wsc, pool)
-    land(wsc, pool)
-    pool.get_batch()
+    form_batch(wsc, pool)
     wsc.train_worker_notify_weight_update("train_worker_0", "default")
     assert [u.version for u in client.updates] == [1]  # the final weights still serve
     assert wsc.acquire_task("default") is None  # nothing more will be trained
