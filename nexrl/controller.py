@@ -135,8 +135,7 @@ class NexRLController:
                 self._end_validate(self._tag)
             while not self._watch_once():
                 pass  # each pass waits for the next train step's end (`progress_wait_s`)
-            if self._last_validated_step != self._train_step():
-                self._run_validate(self._tag)
+            self._final_validate()
         finally:
             self._stop()
         return self.final_metrics
@@ -165,6 +164,20 @@ class NexRLController:
             self._next_restart_check = time.monotonic() + 0.2
             self._rewind_after_restart()
         return False
+
+    def _final_validate(self) -> None:
+        """Validate the final weights unless that step was validated. An actor restart
+        after the last step rewinds the run, which then trains to its end again."""
+        while True:
+            try:
+                if self._last_validated_step != self._train_step():
+                    self._run_validate(self._tag)
+                return
+            except (ActorRestartedError, TrainingAborted):
+                if not self._rewind_after_restart(settle=True):
+                    raise
+            while not self._watch_once():
+                pass
 
     def _rewind_after_restart(self, settle: bool = False) -> bool:
         """Ray: rewind to the last complete checkpoint if a module actor restarted (its state

@@ -305,6 +305,14 @@ class BaseRolloutWorker(LoopModule):
             sample["scores"] = dict(outcome.scores)
         return float(outcome.reward)
 
+    def pause(self) -> None:
+        """Also end a validation's helper round (a rewind pauses every loop, waits for
+        quiescence, then resets the task owner)."""
+        self._is_running_validate = False
+        super().pause()
+        if self._helpers is not None:
+            self._helpers.wait(30.0)
+
     def stop(self) -> None:
         super().stop()
         if self._helpers is not None:

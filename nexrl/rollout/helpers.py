@@ -33,6 +33,7 @@ class HelperThreads:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"{self._name}: helper threads are closed")
+            self._cv.wait_for(lambda: self._busy == 0)  # a round left running ends first
             if not self._threads:
                 for i in range(self._count):
                     thread = threading.Thread(target=self._run, name=f"{self._name}-{i}")

@@ -149,3 +149,25 @@ def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):
     step2 = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)
     assert step2["rollout/serving_version"] == 1
     assert 1e-5 < step2["train/behavior_old_logprob_absdiff"] < 0.05
+
+
+def test_a_restart_after_the_last_step_rewinds_then_validates_the_final_weights(small_config):
+    """An actor restart between the last step and the final validation rewinds the run
+    (here the rewind itself is stood in for: local mode has no actors to restart), which
+    then ends and validates; it used to escape `run`."""
+    from nexrl.distributed.recovery import ActorRestartedError
+
+    cfg = small_config("train_worker.total_train_steps=2", "validate.validate_before_train=false")
+    controller = NexRLController(cfg)
+    validate, rewinds = controller._run_validate, []
+
+    def restarted_once(tag):
+        if not rewinds:
+            raise ActorRestartedError("train_worker_0.get_train_step: Ray actor 'train' restarted")
+        validate(tag)
+
+    controller._run_validate = restarted_once
+    # a rewind only after the error (the watch loop's periodic check finds no restart)
+    controller._rewind_after_restart = lambda settle=False: settle and not rewinds.append(settle)
+    metrics = controller.run()
+    assert rewinds == [True] and "val/reward" in metrics

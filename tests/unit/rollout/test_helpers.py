@@ -46,3 +46,22 @@ def test_busy_until_every_thread_is_done():
     release.set()
     assert helpers.wait(10) and not helpers.busy
     helpers.close()
+
+
+def test_a_new_round_waits_for_one_left_running():
+    release, rounds = threading.Event(), []
+
+    def work():
+        rounds.append(len(rounds))
+        release.wait(10)
+
+    helpers = HelperThreads("h", 1, work)
+    helpers.start()
+    second = threading.Thread(target=helpers.start)
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and rounds == [0]  # held until the first round ends
+    release.set()
+    second.join(10)
+    assert helpers.wait(10) and rounds == [0, 1] and not helpers.busy
+    helpers.close()
