@@ -133,9 +133,7 @@ class NexRLController:
             if validate_first:
                 self._wait_validate()
                 self._end_validate(self._tag)
-            while not self._watch_once():
-                pass  # each pass waits for the next train step's end (`progress_wait_s`)
-            self._final_validate()
+            self._train_then_validate()
         finally:
             self._stop()
         return self.final_metrics
@@ -165,10 +163,13 @@ class NexRLController:
             self._rewind_after_restart()
         return False
 
-    def _final_validate(self) -> None:
-        """Validate the final weights unless that step was validated. An actor restart
-        after the last step rewinds the run, which then trains to its end again."""
+    def _train_then_validate(self) -> None:
+        """Watch training to its end, then validate the final weights unless that step
+        was validated. An actor restart after the last step rewinds the run, which then
+        trains to its end again."""
         while True:
+            while not self._watch_once():
+                pass  # each pass waits for the next train step's end (`progress_wait_s`)
             try:
                 if self._last_validated_step != self._train_step():
                     self._run_validate(self._tag)
@@ -176,8 +177,6 @@ class NexRLController:
             except (ActorRestartedError, TrainingAborted):
                 if not self._rewind_after_restart(settle=True):
                     raise
-            while not self._watch_once():
-                pass
 
     def _rewind_after_restart(self, settle: bool = False) -> bool:
         """Ray: rewind to the last complete checkpoint if a module actor restarted (its state
