@@ -12,6 +12,7 @@ the final validation's: the first one also pays the process's first forwards.
 
     python benchmarks/bench_validation.py             # the default task: 64 prompts, 16 workers
     python benchmarks/bench_validation.py --smollm2   # the SmolLM2 recipe: 40 questions, 8 workers
+    python benchmarks/bench_validation.py --calculator  # the agent recipe: 32 questions, 2 workers
     python benchmarks/bench_validation.py --smoke     # seconds: 8 prompts, 2 workers
 
 Adds its section at the top of benchmarks/results/validation.md (not in --smoke). Last
@@ -45,6 +46,8 @@ SMOKE = [
     "trajectory_pool.batch_size=4",
     "validate.concurrency=8",
 ]
+# the agent recipe's training step between its validations, made small (it is not timed)
+CALCULATOR = ["rollout_worker.group_size=2", "trajectory_pool.batch_size=2"]
 
 
 def validation_times(config_name: str, overrides: list[str]) -> list[float]:
@@ -74,7 +77,12 @@ def _run(config_name: str, overrides: list[str]) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smollm2", action="store_true", help="the smollm2_arithmetic recipe")
+    recipe = p.add_mutually_exclusive_group()
+    recipe.add_argument("--smollm2", action="store_true", help="the smollm2_arithmetic recipe")
+    recipe.add_argument(
+        "--calculator", action="store_true", help="the smollm2_calculator (agent) recipe"
+    )
+    p.add_argument("--model-path", help="model_path for the SmolLM2 recipes (default: theirs)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -82,7 +90,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     config_name = "smollm2_arithmetic" if args.smollm2 else "rl_train"
-    extra = SMOKE if args.smoke else []
+    config_name = "smollm2_calculator" if args.calculator else config_name
+    extra = (SMOKE if args.smoke else []) + (CALCULATOR if args.calculator else [])
+    extra += [f"model_path={args.model_path}"] if args.model_path else []
     cfg = load_config(extra, config_name=config_name)
     workers = cfg.rollout_worker.num_workers
     sides = {

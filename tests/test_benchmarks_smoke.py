@@ -80,6 +80,13 @@ def test_generation_smoke_mode_on_smollm2(
 
 
 @pytest.mark.slow
+def test_validation_smoke_mode_on_the_agent_recipe(smollm2_dir, tmp_path: Path) -> None:
+    out = run_smoke("bench_validation.py", "--calculator", "--model-path", smollm2_dir)
+    assert SMOKE_LINES["bench_validation.py"] in out
+    assert "concurrency 8 [" in out  # the side with validation tasks side by side ran
+
+
+@pytest.mark.slow
 def test_rewards_smoke_mode_runs(tmp_path: Path) -> None:
     out = run_smoke("bench_rewards.py", "--out", str(tmp_path))
     assert SMOKE_LINES["bench_rewards.py"] in out

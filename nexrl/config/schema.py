@@ -284,9 +284,9 @@ class ValidateConfig:
     concurrency: int = 64
     """Validation tasks in flight at once, so that a validation set reaches the engine as
     one batch: each rollout worker runs ceil(concurrency / rollout_worker.num_workers)
-    of them side by side (at least one). The `single_turn` and `simple` workers do;
-    other workers (agents, custom `step`s that do not declare `concurrent_steps = True`)
-    run one task at a time."""
+    of them side by side (at least one). The `single_turn`, `simple` and `agent` workers
+    do; a custom worker runs one task at a time unless it declares
+    `concurrent_steps = True`."""
     data: DataConfig = field(
         default_factory=lambda: DataConfig(split="validation", shuffle=False, num_epochs=1)
     )

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nexrl.aio import EventLoopThread
+
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question.\n\n"
     "Question:\n{prompt}\n\nAnswer:\n{completion}\n\n"
@@ -81,9 +83,7 @@ class JudgeReward:
 
         self.config = config
         re.compile(config.score_pattern)  # a bad pattern fails here, not per call
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="judge")
-        self._thread.start()
+        self._loop = EventLoopThread("judge")
         self._client = AsyncOpenAI(
             base_url=config.base_url,
             api_key=config.api_key,
@@ -95,18 +95,15 @@ class JudgeReward:
         self._lock = threading.Lock()
 
     async def __call__(self, prompt: str, completion: str, **row: Any) -> dict[str, Any]:
-        fut = asyncio.run_coroutine_threadsafe(self._judge(prompt, completion, row), self._loop)
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(self._loop.submit(self._judge(prompt, completion, row)))
 
     def score(self, prompt: str, completion: str, **row: Any) -> dict[str, Any]:
         """Blocking form, for code without an event loop."""
-        fut = asyncio.run_coroutine_threadsafe(self._judge(prompt, completion, row), self._loop)
-        return fut.result()
+        return self._loop.run(self._judge(prompt, completion, row))
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._loop.run(self._client.close(), timeout=10)
+        self._loop.close(timeout=10)
 
     def render(self, prompt: str, completion: str, row: Mapping[str, Any]) -> str:
         try:

@@ -13,16 +13,27 @@ new weights serve when `weight.enable_partial_rollout` is on (the turn's
 tokens then carry both versions); otherwise the episode is ABORTED and the
 task goes back to the front of its loader. An episode answering None drops
 the task (StepResult.DROPPED).
+
+All of a worker's episodes run on one event loop of its own, which lives as long as
+the worker: a group's episodes, and while validating the episodes of several
+validation tasks at once (`validate.concurrency`; the helper threads only wait for
+them). A workflow therefore sees what AReaL-lite's workflows see, many concurrent
+episodes on one loop, and may keep loop-bound state (an MCP session, an async HTTP
+client) from one task to the next.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import threading
 import time
+from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
+from nexrl.aio import EventLoopThread
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.inference.protocol import (
@@ -46,6 +57,8 @@ class ClientEngine:
     continue_aborted: continue a turn a weight push aborted (partial rollout within a turn).
     wait_for_push: blocks until the new weights serve (the worker's weight-sync check).
     temperature: overrides every request's temperature (validation rollouts are greedy).
+    executor: runs the blocking client calls of `agenerate`, from whichever loop awaits it
+        (the worker's, or a proxy server's); None: that loop's default executor.
     """
 
     def __init__(
@@ -55,8 +68,10 @@ class ClientEngine:
         continue_aborted: bool = False,
         wait_for_push: Any = None,
         temperature: float | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.client = client
+        self._executor = executor
         self.continue_aborted = continue_aborted
         self._wait_for_push = wait_for_push
         self.temperature = temperature
@@ -70,7 +85,9 @@ class ClientEngine:
         return self.client.tokenizer
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
-        return await asyncio.to_thread(self.generate, request)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.generate, request
+        )
 
     def generate(self, request: GenerationRequest) -> GenerationResponse:
         sampling = request.sampling
@@ -180,6 +197,8 @@ def build_workflow(
 class AgentRolloutWorker(BaseRolloutWorker):
     """Runs `group_size` episodes of a workflow per task (see the module docstring)."""
 
+    concurrent_steps = True  # a step only waits for its episodes on the worker's loop
+
     def __init__(
         self,
         config: RolloutWorkerConfig,
@@ -190,6 +209,8 @@ class AgentRolloutWorker(BaseRolloutWorker):
     ) -> None:
         super().__init__(config, llm_client, context, reward_fn)
         self.workflow = workflow or build_workflow(config, reward_fn, context.system_prompt)
+        self._episodes: EventLoopThread | None = None
+        self._episodes_lock = threading.Lock()
 
     def engine(self, validate: bool) -> ClientEngine:
         return ClientEngine(
@@ -197,13 +218,14 @@ class AgentRolloutWorker(BaseRolloutWorker):
             continue_aborted=validate or self._context.enable_partial_rollout,
             wait_for_push=self._block_until_pushed,
             temperature=self._context.validate_temperature if validate else None,
+            executor=self._episode_loop().executor,
         )
 
     def step(self, task: dict[str, Any]) -> StepResult | str:
         current = self.current_task
         validate = current is not None and current.is_validate
         n = 1 if validate else self._config.group_size
-        episodes = asyncio.run(self._run_group(task, n, self.engine(validate)))
+        episodes = self._episode_loop().run(self._run_group(task, n, self.engine(validate)))
         if any(e is None for e in episodes):
             return StepResult.DROPPED
         group = [t for e in episodes for t in e]
@@ -225,6 +247,23 @@ class AgentRolloutWorker(BaseRolloutWorker):
         runs = [self.workflow.arun_episode(engine, dict(row)) for _ in range(n)]
         results = await asyncio.gather(*runs)
         return [as_trajectories(r, engine.tokenizer) for r in results]
+
+    def _episode_loop(self) -> EventLoopThread:
+        """The worker's event loop (made on first use). Its executor has a thread for
+        every episode that can be in a blocking call (a generation, a sync tool) at once."""
+        with self._episodes_lock:
+            if self._episodes is None:
+                in_flight = max(self._config.group_size, self._context.validate_tasks_per_worker)
+                threads = max(in_flight, min(32, (os.cpu_count() or 1) + 4))
+                self._episodes = EventLoopThread(f"{self._module_name}-episodes", threads)
+            return self._episodes
+
+    def stop(self) -> None:
+        super().stop()
+        with self._episodes_lock:
+            if self._episodes is not None:
+                self._episodes.close()
+                self._episodes = None
 
     def _block_until_pushed(self) -> None:
         wsc, tag = self._weight_sync_controller, self._model_tag()

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from nexrl.agents.tokens import TokenSample
+from nexrl.aio import EventLoopThread
 from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
@@ -119,9 +120,7 @@ class WorkflowExecutor:
         self._results: queue.Queue[list[Trajectory] | None | BaseException] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
+        self._loop = EventLoopThread("workflow-executor")
 
     # -- the engine's own API ----------------------------------------------------------------
     @property
@@ -144,7 +143,7 @@ class WorkflowExecutor:
         with self._lock:
             self._pending += 1
         coro = self._episode(dict(data), workflow)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._loop.submit(coro)
 
     async def _episode(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
         try:
@@ -248,17 +247,4 @@ class WorkflowExecutor:
 
     def shutdown(self) -> None:
         """Stop the executor's event loop (running episodes are cancelled)."""
-        if self._loop.is_closed():
-            return
-
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
         self._loop.close()

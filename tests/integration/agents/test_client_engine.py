@@ -4,6 +4,7 @@ weight push between two turns shows in the trajectory's `token_versions`."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -56,3 +57,32 @@ def test_push_between_turns_is_visible_per_token(tiny_model_path, tmp_path):
     assert traj["model_version"] == 0  # staleness counts from the oldest policy token
     assert all(v >= 0 for v in versions)  # tool tokens carry the oldest version, not -1
     assert client.recent_samples()[-1]["model_version"] == 1
+
+
+def test_generations_run_in_the_executor_it_is_given(tiny_model_path):
+    """Whichever loop awaits `agenerate` (a proxy server's has asyncio's small default
+    executor), the blocking client call runs on the worker's sized executor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nexrl.inference.protocol import GenerationRequest, SamplingParams
+
+    engine = Engine(tiny_model_path, max_batch_size=4)
+    executor = ThreadPoolExecutor(2, thread_name_prefix="worker-io")
+    client = LLMServiceClient({"backend": "builtin"}, engine=engine)
+    threads = []
+    generate = client.completion
+
+    def completion(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return generate(*args, **kwargs)
+
+    client.completion = completion
+    try:
+        ce = ClientEngine(client, executor=executor)
+        request = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        response = asyncio.run(ce.agenerate(request))
+    finally:
+        engine.shutdown()
+        executor.shutdown()
+    assert len(response.outputs[0].output_ids) == 2
+    assert threads and all(name.startswith("worker-io") for name in threads)

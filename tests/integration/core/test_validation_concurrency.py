@@ -1,15 +1,19 @@
 """Validation tasks run side by side in one rollout worker (`validate.concurrency`), on
 the real in-process engine, task owner, loaders and validator."""
 
+import asyncio
+import functools
 import threading
 import time
 
 import pytest
 
+from nexrl.agents.workflows import SingleTurnWorkflow
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.data import InMemoryDataLoader
 from nexrl.inference.client import LLMServiceClient
 from nexrl.rewards import shift_letters
+from nexrl.rollout.agent import AgentRolloutWorker
 from nexrl.rollout.workers import SingleTurnRolloutWorker
 from nexrl.validation import Validator
 from tests.rollout_parts import build_rollout_side, context
@@ -118,3 +122,30 @@ def test_a_helper_that_dies_fails_the_workers_health_check(client):
     assert isinstance(side.worker._helpers.error, ConnectionError)
     assert not side.worker.health_check()
     side.worker.stop()
+
+
+class MeetOnOneLoop(SingleTurnWorkflow):
+    """Single-turn episodes that first meet at an asyncio barrier of `meet` episodes (it
+    breaks unless that many tasks' episodes run on one loop at once) and note their loop."""
+
+    def __init__(self, meet: int) -> None:
+        super().__init__(max_tokens=4)
+        self.barrier, self.loops = asyncio.Barrier(meet), set()
+
+    async def arun_episode(self, engine, data):
+        self.loops.add(asyncio.get_running_loop())
+        await asyncio.wait_for(self.barrier.wait(), timeout=10)
+        return await super().arun_episode(engine, data)
+
+
+def test_the_agent_worker_validates_several_tasks_on_its_one_event_loop(client):
+    calls = InFlight(client)
+    workflow = MeetOnOneLoop(meet=4)
+    agent = functools.partial(AgentRolloutWorker, workflow=workflow)
+    side, validator = validate(client, tasks_per_worker=4, worker_cls=agent)
+    assert len(validator._trajectories) == len(VALIDATE) and calls.most == 4
+    assert side.tracker.get_counters().get("tasks_failed/validate", 0) == 0
+    assert len({t["task_id"] for t in validator._trajectories}) == len(VALIDATE)
+    assert len(workflow.loops) == 1  # every task's episodes, one loop
+    side.worker.stop()
+    assert next(iter(workflow.loops)).is_closed()
