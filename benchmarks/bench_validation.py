@@ -61,17 +61,17 @@ def validation_times(config_name: str, overrides: list[str]) -> list[float]:
 def _run(config_name: str, overrides: list[str]) -> list[float]:
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
-    out = tempfile.mkdtemp(prefix="bench_validation_")
-    base = [
-        f"output_dir={out}",
-        "train_worker.total_train_steps=1",
-        "train_worker.save_freq=0",
-        "weight.validate_freq=0",
-        "logger.backend=[jsonl]",
-    ]
-    controller = NexRLController(load_config(base + overrides, config_name=config_name))
-    controller.run()
-    lines = Path(controller.run_dir, "metrics.jsonl").read_text().splitlines()
+    with tempfile.TemporaryDirectory(prefix="bench_validation_") as out:  # its checkpoint
+        base = [
+            f"output_dir={out}",
+            "train_worker.total_train_steps=1",
+            "train_worker.save_freq=0",
+            "weight.validate_freq=0",
+            "logger.backend=[jsonl]",
+        ]
+        controller = NexRLController(load_config(base + overrides, config_name=config_name))
+        controller.run()
+        lines = Path(controller.run_dir, "metrics.jsonl").read_text().splitlines()
     return [x["val/time_s"] for x in map(json.loads, lines) if "val/time_s" in x]
 
 

@@ -192,3 +192,20 @@ def test_the_controller_runs_as_a_ray_actor(ray_local, ray_config):
     ray.kill(controller)
     assert 0.0 <= final["val/reward"] <= 1.0
     assert [line["step"] for line in read_metrics(run_dir) if "train/loss" in line] == [1, 2]
+
+
+def test_the_agent_worker_trains_and_validates_in_ray_actors(ray_local, ray_config):
+    """`rollout_worker.type=agent` in Ray mode: each worker's episodes on the event loop of
+    its actor, its validation tasks side by side (8 tasks, 2 workers)."""
+    workflow = "tests.integration.agents.workflows:TwoTurnWorkflow"
+    cfg = ray_config("rollout_worker.type=agent", f"rollout_worker.workflow={workflow}")
+    controller = NexRLController(cfg)
+    try:
+        final = controller.run()
+    finally:
+        controller.system.shutdown()
+    lines = read_metrics(controller.run_dir)
+    assert [line["step"] for line in lines if "train/loss" in line] == [1, 2, 3]
+    assert [line["step"] for line in lines if "val/reward" in line] == [0, 2, 3]
+    assert 0.0 <= final["val/reward"] <= 1.0
+    assert [line["val/num_samples"] for line in lines if "val/reward" in line] == [8.0] * 3
