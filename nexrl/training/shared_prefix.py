@@ -8,6 +8,9 @@ for rows that start with the same tokens the model can run those tokens once:
 2. the cache is indexed by each row's prefix id, (P, heads, Lp, d) -> (b, heads, Lp, d);
 3. suffix forward: each row's remaining tokens on top of its expanded cache, with
    `position_ids` continuing from the prefix length and the prefix's padding masked.
+   Rows are right padded to the longest suffix; when a few long suffixes (a multi-turn
+   episode beside one-turn ones) would make most of that padding, the rows go in two
+   forwards by suffix length (`split_suffixes`).
 
 Autograd flows through the index into the single prefix forward, so the loss and the
 gradients are those of the plain forward (up to float summation order).
@@ -45,25 +48,30 @@ class PrefixPlan:
     suffix_ids: torch.Tensor  # (b, S) tokens start .. last wanted - 1, right padded
     suffix_mask: torch.Tensor  # (b, S)
     want: torch.Tensor  # (b, T) bool: grid positions whose logprob is computed
+    buckets: list[torch.Tensor]  # row indices of each suffix forward (ascending)
 
     @property
     def model_tokens(self) -> int:
-        """Real tokens the two forwards run (the plain path runs every real token)."""
+        """Real tokens the forwards run (the plain path runs every real token)."""
         return int(self.prefix_mask.sum()) + int(self.suffix_mask.sum())
 
     @property
     def padded_tokens(self) -> int:
-        """Tokens the two forwards compute, padding included (compare `want` width x rows)."""
-        return self.prefix_mask.numel() + self.suffix_mask.numel()
+        """Tokens the forwards compute, padding included (compare `want` width x rows)."""
+        lengths = self.suffix_mask.sum(-1)
+        suffixes = sum(len(rows) * int(lengths[rows].max()) for rows in self.buckets)
+        return self.prefix_mask.numel() + suffixes
 
 
 def plan_prefixes(
     input_ids: torch.Tensor,  # (b, T) right padded
     attention_mask: torch.Tensor,  # (b, T)
     select: torch.Tensor,  # (b, T) positions whose logprob is wanted
+    split_suffixes: bool = True,
 ) -> PrefixPlan | None:
     """The plan, or None when no prefix is shared by two rows (or rows are not right
-    padded): then the plain forward is as cheap."""
+    padded): then the plain forward is as cheap. `split_suffixes`: allow two suffix
+    forwards where that saves `SPLIT_MIN_SAVING` of the suffixes' padded tokens."""
     real = attention_mask.bool()
     lengths = real.sum(-1)  # (b,)
     cols = torch.arange(real.shape[1], device=real.device)
@@ -95,7 +103,29 @@ def plan_prefixes(
         suffix_ids=input_ids.gather(1, index) * suffix_mask,
         suffix_mask=suffix_mask,
         want=want,
+        buckets=_length_buckets(suffix_len) if split_suffixes else [torch.arange(len(rows))],
     )
+
+
+SPLIT_MIN_SAVING = 0.25
+"""Two suffix forwards only where they compute this fraction fewer suffix tokens than one."""
+
+
+def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """All rows, or the rows in two groups by length (the cut that pads least)."""
+    n = len(lengths)
+    everything = [torch.arange(n, device=lengths.device)]
+    if n < 2:
+        return everything
+    order = lengths.argsort()
+    ranked = lengths[order]
+    first = torch.arange(1, n, device=lengths.device)  # rows in the short group
+    padded = ranked[first - 1] * first + ranked[-1] * (n - first)
+    cut = int(padded.argmin())
+    whole = int(ranked[-1]) * n
+    if whole - int(padded[cut]) < SPLIT_MIN_SAVING * whole:
+        return everything
+    return [order[: cut + 1].sort().values, order[cut + 1 :].sort().values]
 
 
 def shared_prefix_logprobs(
@@ -122,19 +152,11 @@ def shared_prefix_logprobs(
     )
     lengths = plan.prefix_mask.sum(-1)
     last = out.logits[torch.arange(len(lengths)), lengths - 1]  # (P, H) predicts token `start`
-    hidden = last[plan.row_prefix][:, None]  # (b, 1, H)
-    if plan.suffix_ids.shape[1] > 0:
-        cache.batch_select_indices(plan.row_prefix)  # (b, heads, Lp, d): autograd-tracked
-        span = torch.arange(plan.suffix_ids.shape[1], device=input_ids.device)
-        keys = torch.cat([plan.prefix_mask[plan.row_prefix], plan.suffix_mask], 1)
-        suffix = module(
-            input_ids=plan.suffix_ids,
-            attention_mask=model_attention_mask(keys, len(span), dense_masks),
-            position_ids=plan.start[:, None] + span,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
-        hidden = torch.cat([hidden, suffix], 1)  # (b, 1 + S, H): [:, k] predicts start + k
+    width = plan.suffix_ids.shape[1]
+    parts = [_suffix_hidden(module, plan, rows, cache, last, dense_masks) for rows in plan.buckets]
+    parts = [torch.nn.functional.pad(h, (0, 0, 0, 1 + width - h.shape[1])) for h in parts]
+    rows = torch.cat(plan.buckets)
+    hidden = torch.cat(parts)[rows.argsort()]  # (b, 1 + S, H): [:, k] predicts start + k
     cols = plan.start[:, None] + torch.arange(hidden.shape[1], device=input_ids.device)
     inside = cols < input_ids.shape[1]
     cols = cols.clamp(max=input_ids.shape[1] - 1)
@@ -147,6 +169,43 @@ def shared_prefix_logprobs(
     if not with_entropy:
         return lp_grid, None
     return lp_grid, ent.new_zeros(plan.want.shape).masked_scatter(plan.want, ent)
+
+
+def _suffix_hidden(
+    module: torch.nn.Module,
+    plan: PrefixPlan,
+    rows: torch.Tensor,
+    cache: DynamicCache,
+    last: torch.Tensor,
+    dense_masks: bool,
+) -> torch.Tensor:
+    """(r, 1 + S_r, H): the prefix's last hidden state, then the suffix forward of `rows`
+    on their prefixes' cache, S_r the longest suffix among them."""
+    prefix = plan.row_prefix[rows]
+    hidden = last[prefix][:, None]
+    width = int(plan.suffix_mask[rows].sum(-1).max())
+    if width == 0:
+        return hidden
+    suffix_mask = plan.suffix_mask[rows, :width]
+    span = torch.arange(width, device=rows.device)
+    keys = torch.cat([plan.prefix_mask[prefix], suffix_mask], 1)
+    suffix = module(
+        input_ids=plan.suffix_ids[rows, :width],
+        attention_mask=model_attention_mask(keys, width, dense_masks),
+        position_ids=plan.start[rows, None] + span,
+        past_key_values=_select_rows(cache, prefix),
+        use_cache=True,
+    ).logits
+    return torch.cat([hidden, suffix], 1)
+
+
+def _select_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
+    """A new cache holding `cache`'s entries for batch rows `index` (autograd-tracked; the
+    prefix cache stays as it is for the next group of rows)."""
+    out = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys[index], layer.values[index], i)
+    return out
 
 
 def supports_prefix_cache(model: torch.nn.Module) -> bool:

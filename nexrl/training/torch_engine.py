@@ -181,14 +181,17 @@ class TorchTrainEngine:
         """The shared-prefix plan of `mb`, or None for the plain forward."""
         if select is None or not self._shared_prefix_allowed(hf_model):
             return None
-        plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select)
+        # two suffix forwards by length only on a CPU: on an accelerator the second
+        # forward's launches can cost more than the padding it saves (not measured)
+        on_cpu = self.device.type == "cpu"
+        plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select, on_cpu)
         if plan is not None and self.config.shared_prefix is None:
             # auto: only when it computes fewer (padded) tokens than the plain forward; on
             # an accelerator, only when that saves more arithmetic than its second forward
             # costs in launches (a small model's forward is launch-bound there)
             saved = int(mb["attention_mask"].any(0).sum()) * mb["attention_mask"].shape[0]
             saved -= plan.padded_tokens
-            if self.device.type != "cpu":
+            if not on_cpu:
                 return plan if 6 * self._n_params * saved >= GPU_SHARED_PREFIX_FLOPS else None
             return plan if saved > 0 else None
         return plan

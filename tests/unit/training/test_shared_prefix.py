@@ -116,6 +116,55 @@ def test_train_step_gives_the_plain_gradients_and_update(tiny_model, lora):
         torch.testing.assert_close(p, params_b[name], atol=1e-5, rtol=1e-5)
 
 
+def one_long_suffix_batch() -> Batch:
+    """Two prompts of 6 rows each: one row of each with a 12-token response, the rest 1 to
+    3 tokens (a multi-turn episode beside one-turn answers)."""
+    g = torch.Generator().manual_seed(3)
+    ids, att, mask = (torch.zeros(12, 20, dtype=torch.long) for _ in range(3))
+    for group in range(2):
+        prompt = torch.randint(len(SPECIALS), VOCAB_SIZE, (6,), generator=g)
+        for i, n in enumerate([2, 1, 12, 3, 2, 1]):
+            r = 6 * group + i
+            ids[r, : 6 + n] = torch.cat(
+                [prompt, torch.randint(len(SPECIALS), VOCAB_SIZE, (n,), generator=g)]
+            )
+            att[r, : 6 + n], mask[r, 6 : 6 + n] = 1, 1
+    adv = torch.randn(12, 1, generator=g) * mask
+    return Batch(
+        {"input_ids": ids, "attention_mask": att, "loss_mask": mask.float(), "advantages": adv}
+    )
+
+
+def test_a_few_long_suffixes_go_in_a_forward_of_their_own():
+    v = one_long_suffix_batch().values
+    keys = (v["input_ids"], v["attention_mask"], v["loss_mask"])
+    plan = plan_prefixes(*keys)
+    assert [b.tolist() for b in plan.buckets] == [[0, 1, 3, 4, 5, 6, 7, 9, 10, 11], [2, 8]]
+    # suffix lengths: response - 1; 10 rows padded to 2, 2 rows to 11 (one forward: 12 x 11)
+    assert plan.padded_tokens == 12 + 10 * 2 + 2 * 11
+    whole = plan_prefixes(*keys, split_suffixes=False)
+    assert [b.tolist() for b in whole.buckets] == [list(range(12))]
+    assert whole.padded_tokens == 12 + 12 * 11
+    assert plan.model_tokens == whole.model_tokens
+
+
+def test_split_suffix_forwards_give_the_plain_logprobs_and_gradients(tiny_model, monkeypatch):
+    calls = spy(monkeypatch)
+    batch = one_long_suffix_batch()
+    a = engine(tiny_model, shared_prefix=True, eps=1e-3)
+    b = engine(tiny_model, shared_prefix=False, eps=1e-3)
+    mask = batch.values["loss_mask"].bool()
+    torch.testing.assert_close(
+        a.compute_logprobs(batch)[mask], b.compute_logprobs(batch)[mask], atol=1e-5, rtol=1e-5
+    )
+    ma, mb = a.train_batch(batch, "ppo_clip", PPO), b.train_batch(batch, "ppo_clip", PPO)
+    assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5, abs=1e-7)
+    grads_b = dict(b.model.named_parameters())
+    for name, p in a.model.named_parameters():
+        torch.testing.assert_close(p.grad, grads_b[name].grad, atol=1e-5, rtol=1e-4)
+    assert len(calls) == 2  # both passes took the shared-prefix path (with its split)
+
+
 def spy(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = shared_prefix.shared_prefix_logprobs
@@ -170,7 +219,7 @@ def test_auto_on_a_gpu_takes_a_plan_only_where_it_saves_real_arithmetic(tiny_mod
     assert eng._shared_prefix_plan(eng.model, mb, select) is not None  # CPU: fewer tokens
     eng.device = torch.device("cuda")
     assert eng._shared_prefix_plan(eng.model, mb, select) is None  # tiny: launch-bound
-    plan = plan_prefixes(v["input_ids"], v["attention_mask"], select)
+    plan = plan_prefixes(v["input_ids"], v["attention_mask"], select, split_suffixes=False)
     saved = int(v["attention_mask"].any(0).sum()) * len(v["attention_mask"]) - plan.padded_tokens
     eng._n_params = math.ceil(GPU_SHARED_PREFIX_FLOPS / (6 * saved))  # a larger model
     assert eng._shared_prefix_plan(eng.model, mb, select) is not None
