@@ -59,7 +59,12 @@ from nexrl.distributed.recovery import (
 from nexrl.execute import execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
-from nexrl.run_setup import find_latest_checkpoint, find_resume_checkpoint, resolve_run_config
+from nexrl.run_setup import (
+    find_latest_checkpoint,
+    find_resume_checkpoint,
+    release_freed_memory,
+    resolve_run_config,
+)
 from nexrl.system import LocalSystem, ModuleSystem
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
 
@@ -94,6 +99,7 @@ class TrainingAborted(RuntimeError):
 
 class NexRLController:
     def __init__(self, config: DictConfig) -> None:
+        release_freed_memory()  # what earlier runs in this process freed
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
         discard_trainer = _prestart_trainer(config)
         try:

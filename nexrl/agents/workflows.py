@@ -8,6 +8,8 @@ rollout worker's `reward_fn` scores the trajectory's `response`).
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,11 +79,17 @@ class _Base(RolloutWorkflow):
         rest = [m for m in (*self.prefix_messages, *prompt) if m["role"] != "system"]
         return [*system, *(dict(m) for m in rest)]
 
-    def _finish(self, traj: Trajectory, data: dict[str, Any], completion: str) -> Trajectory:
+    async def _finish(self, traj: Trajectory, data: dict[str, Any], completion: str) -> Trajectory:
+        """Score the completion off the event loop: a slow reward (a symbolic check, code
+        run against tests) must not hold up the other episodes on the loop. An async
+        reward (one that answers an awaitable) is awaited."""
         traj["response"] = completion
         if self.reward_fn is not None:
             rest = {k: v for k, v in data.items() if k != "prompt"}
-            value = self.reward_fn(data.get(self.prompt_key), completion, **rest)
+            prompt = data.get(self.prompt_key)
+            value = await asyncio.to_thread(self.reward_fn, prompt, completion, **rest)
+            if inspect.isawaitable(value):
+                value = await value
             traj["reward"] = _reward(value, traj)
         return traj
 
@@ -95,7 +103,7 @@ class SingleTurnWorkflow(_Base):
         out = resp.outputs[0]
         tokens.add_assistant(out.output_ids, out.output_logprobs, out.output_versions)
         traj = sample_to_trajectory(tokens.samples()[0], finish_reason=out.finish_reason)
-        return self._finish(traj, data, out.text)
+        return await self._finish(traj, data, out.text)
 
 
 class ToolWorkflow(_Base):
@@ -142,5 +150,5 @@ class ToolWorkflow(_Base):
         for sample in episode.samples:
             traj = sample_to_trajectory(sample, finish_reason=finish, agent_finish=episode.finish)
             traj["agent_metrics"] = dict(episode.metrics)
-            out.append(self._finish(traj, data, completion))
+            out.append(await self._finish(traj, data, completion))
         return out

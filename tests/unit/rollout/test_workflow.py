@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from nexrl.agents.workflows import ToolWorkflow
+from nexrl.agents.workflows import SingleTurnWorkflow, ToolWorkflow
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
 from nexrl.rollout.workflow import RolloutWorkflow, WorkflowExecutor
 
@@ -54,6 +55,25 @@ def executor(tool_engine):
     ex = WorkflowExecutor(tool_engine, max_concurrent=4)
     yield ex
     ex.shutdown()
+
+
+def test_a_slow_reward_does_not_hold_up_the_other_episodes(executor):
+    """Two episodes' rewards meet at a barrier: on the event loop the first would block
+    it and the second never arrive. An async reward is awaited."""
+    meet, threads = threading.Barrier(2, timeout=10), set()
+
+    def slow(prompt, completion, **row):
+        threads.add(threading.current_thread().name)
+        meet.wait()
+        return 1.0
+
+    async def judged(prompt, completion, **row):
+        return {"reward": 0.5, "scores": {"judge": 0.5}}
+
+    trajs = executor.rollout([ROW, ROW], SingleTurnWorkflow(reward_fn=slow, max_tokens=4))
+    assert [t["reward"] for t in trajs] == [1.0, 1.0] and "workflow-executor" not in threads
+    (t,) = executor.rollout([ROW], SingleTurnWorkflow(reward_fn=judged, max_tokens=4))
+    assert t["reward"] == 0.5 and t["scores"] == {"judge": 0.5}
 
 
 def test_tool_workflow_rollout_is_token_exact(executor, tool_engine):
