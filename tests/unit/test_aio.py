@@ -1,6 +1,7 @@
 """`EventLoopThread`: one loop for many callers, a sized executor, a clean close."""
 
 import asyncio
+import os
 import threading
 import time
 
@@ -40,13 +41,14 @@ def test_an_exception_reaches_the_caller():
 
 
 def test_the_executor_has_room_for_every_blocking_call():
-    """12 blocking calls that must all be in flight at once (a barrier of 12): asyncio's
-    default executor on a small machine has fewer threads than that."""
-    loop_thread = EventLoopThread("t", executor_threads=12)
-    barrier = threading.Barrier(12, timeout=10)
+    """One more blocking call than asyncio's default executor has threads, all in flight
+    at once (a barrier of that many): only the sized executor lets them meet."""
+    n = min(32, (os.cpu_count() or 1) + 4) + 1
+    loop_thread = EventLoopThread("t", executor_threads=n)
+    barrier = threading.Barrier(n, timeout=10)
 
     async def together():
-        await asyncio.gather(*(asyncio.to_thread(barrier.wait) for _ in range(12)))
+        await asyncio.gather(*(asyncio.to_thread(barrier.wait) for _ in range(n)))
 
     loop_thread.run(together(), timeout=30)
     loop_thread.close()
