@@ -54,6 +54,11 @@ def command() -> str:
     return "python " + shlex.join(sys.argv)
 
 
+def record() -> dict[str, object]:
+    """The fields every JSON results file starts with: `machine()` and `command()`."""
+    return {"machine": machine(), "command": command()}
+
+
 def describe() -> str:
     """Markdown lines: machine and the command that produced the figures."""
     m = machine()

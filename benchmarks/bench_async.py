@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import describe
+from _machine import describe, record
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
@@ -288,7 +288,13 @@ def _write(
     out.mkdir(parents=True, exist_ok=True)
     name = name or ("async_quick" if quick else "async")
     title = {"async": "full", "async_quick": "--quick"}.get(name, name)
-    payload = {"tables": tables, "ratios": ratios, "sweep": sweep, "latency_s": latency}
+    payload = {
+        **record(),
+        "tables": tables,
+        "ratios": ratios,
+        "sweep": sweep,
+        "latency_s": latency,
+    }
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
     header = (
         "| engine | task | variant | samples/s | steps to 0.9 | train-s to 0.9 | wall s "

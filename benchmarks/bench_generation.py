@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from _machine import command, describe
+from _machine import command, describe, record
 
 from nexrl.inference.engine import Engine
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
@@ -467,7 +467,8 @@ def smollm2(
     name = "generation_smollm2" + ("" if dtype == "float32" else f"_{short}")
     name += "_chat" if chat else ""
     name += "" if device == "cpu" else f"_{torch.device(device).type}"
-    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "device": device}, indent=1))
+    payload = {**record(), "rows": rows, "device": device}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
     name += ".md"
     (out / name).write_text("\n".join(lines))
     at64 = next(r for r in rows if r["concurrency"] == 64)

@@ -29,13 +29,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _machine import cpu_model, machine
 
 from nexrl.rewards.code import CodeReward
 from nexrl.rewards.math import gsm8k_reward, math_reward
@@ -53,13 +54,6 @@ ROW_NOTES = [
     "model), so `failed` = 256 is the expected count and rewards/s = judgements completed/s.",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 async def drive(runner: RewardRunner, calls: list[tuple[str, str, dict]]) -> dict[str, Any]:
@@ -287,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             figures.update(done)
             print("done:", ", ".join(done), flush=True)
     results = {
+        "machine": machine(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "command": " ".join(

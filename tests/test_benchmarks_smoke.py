@@ -8,7 +8,9 @@ smoke mode (bench_rewards writes into a temporary folder).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -91,6 +93,9 @@ def test_rewards_smoke_mode_runs(tmp_path: Path) -> None:
     out = run_smoke("bench_rewards.py", "--out", str(tmp_path))
     assert SMOKE_LINES["bench_rewards.py"] in out
     assert "cores" in (tmp_path / "rewards_smoke.md").read_text()
+    payload = json.loads((tmp_path / "rewards_smoke.json").read_text())
+    assert payload["machine"]["cores"] == os.cpu_count()
+    assert _json_names_machine_and_command(payload)
 
 
 @pytest.mark.slow
@@ -144,3 +149,55 @@ def test_gpu_script_passes_only_options_its_benchmarks_take() -> None:
             module.parser().parse_args(args)  # SystemExit (exit 2) on an unknown option
     finally:
         sys.path.remove(str(BENCH))
+
+
+# -- results files name the machine and the command -------------------------------------
+
+MACHINE = re.compile(r"(Machine|CPU|lscpu)[^\n]*?(AMD|Intel|EPYC|Xeon|not recorded)", re.I)
+COMMAND = re.compile(
+    r"`(python3? |nexrl |bash )[^`]+`|^ {4}(nice -n \d+ )?(python3? |nexrl )", re.M
+)
+
+
+def _json_names_machine_and_command(payload: dict) -> bool:
+    """At the top, or in each of the runs a file collects (one per top-level key)."""
+    if "command" not in payload and payload and all(isinstance(v, dict) for v in payload.values()):
+        return all(map(_json_names_machine_and_command, payload.values()))
+    machine = payload.get("machine") or payload.get("cpu")
+    if isinstance(machine, dict):
+        machine = machine.get("cpu")
+    return bool(machine) and bool(payload.get("command"))
+
+
+@pytest.mark.parametrize("path", sorted((BENCH / "results").glob("*.*")), ids=lambda p: p.name)
+def test_every_results_file_names_the_machine_and_the_command(path: Path) -> None:
+    """Figures from different machines are not comparable, and a figure without its
+    command cannot be re-measured: every committed results file says both."""
+    if path.suffix == ".md":
+        text = path.read_text()
+        assert MACHINE.search(text), f"{path.name} names no CPU model"
+        assert COMMAND.search(text), f"{path.name} names no command"
+    elif path.suffix == ".json":
+        assert _json_names_machine_and_command(json.loads(path.read_text())), path.name
+    else:
+        assert path.suffix == ".png", f"unexpected results file {path.name}"
+
+
+def test_json_results_start_with_the_machine_and_the_command(tmp_path: Path) -> None:
+    """What a benchmark writes, not only what was committed: bench_async's writer."""
+    import importlib.util
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_async", BENCH / "bench_async.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module._write(tmp_path, {}, {"a_vs_b": 1.0}, [], 0.01, quick=True, name="probe")
+    finally:
+        sys.path.remove(str(BENCH))
+    payload = json.loads((tmp_path / "probe.json").read_text())
+    assert list(payload)[:2] == ["machine", "command"]
+    assert payload["machine"]["cores"] == os.cpu_count() and payload["machine"]["cpu"]
+    assert payload["command"].startswith("python ")
+    assert _json_names_machine_and_command(payload)
+    assert MACHINE.search((tmp_path / "probe.md").read_text())
