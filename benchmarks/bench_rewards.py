@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_model, machine
+from _machine import machine
 
 from nexrl.rewards.code import CodeReward
 from nexrl.rewards.math import gsm8k_reward, math_reward
@@ -220,7 +220,7 @@ def write(results: dict[str, Any], out_dir: Path, stem: str) -> None:
     lines = [
         f"# Rewards/s under {CONCURRENCY} concurrent rollouts",
         "",
-        f"CPU: {results['cpu']}, {results['cores']} cores  ",
+        f"CPU: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
         f"Command: `{results['command']}`",
         "",
         "| reward | rewards | seconds | rewards/s | failed | mean reward |",
@@ -282,8 +282,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print("done:", ", ".join(done), flush=True)
     results = {
         "machine": machine(),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
         "command": " ".join(
             [
                 Path(sys.argv[0]).name if argv is None else "bench_rewards.py",

@@ -8,6 +8,7 @@ smoke mode (bench_rewards writes into a temporary folder).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -36,6 +37,18 @@ def run_smoke(script: str, *extra: str, timeout: float = 600) -> str:
         f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     return proc.stdout
+
+
+def load_bench(script: str):
+    """The benchmark script as a module (it imports `_machine` from beside it)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(script[:-3], BENCH / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
 
 
 SMOKE_LINES = {
@@ -135,20 +148,11 @@ def gpu_sh_commands() -> list[list[str]]:
 def test_gpu_script_passes_only_options_its_benchmarks_take() -> None:
     """gpu.sh runs only on a lent GPU, so CI checks its command lines against each
     script's own parser: a renamed or removed option fails here, not on the GPU."""
-    import importlib.util
-
     commands = gpu_sh_commands()
     assert {c[0] for c in commands} == {"bench_generation.py", "bench_training.py", "bench_e2e.py"}
     assert len(commands) == 7  # 3 smoke lines, 4 full ones
-    sys.path.insert(0, str(BENCH))  # the scripts import `_machine` from beside them
-    try:
-        for script, *args in commands:
-            spec = importlib.util.spec_from_file_location(script[:-3], BENCH / script)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            module.parser().parse_args(args)  # SystemExit (exit 2) on an unknown option
-    finally:
-        sys.path.remove(str(BENCH))
+    for script, *args in commands:
+        load_bench(script).parser().parse_args(args)  # SystemExit (exit 2) if unknown
 
 
 # -- results files name the machine and the command -------------------------------------
@@ -185,16 +189,8 @@ def test_every_results_file_names_the_machine_and_the_command(path: Path) -> Non
 
 def test_json_results_start_with_the_machine_and_the_command(tmp_path: Path) -> None:
     """What a benchmark writes, not only what was committed: bench_async's writer."""
-    import importlib.util
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_async", BENCH / "bench_async.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module._write(tmp_path, {}, {"a_vs_b": 1.0}, [], 0.01, quick=True, name="probe")
-    finally:
-        sys.path.remove(str(BENCH))
+    write = load_bench("bench_async.py")._write
+    write(tmp_path, {}, {"a_vs_b": 1.0}, [], 0.01, quick=True, name="probe")
     payload = json.loads((tmp_path / "probe.json").read_text())
     assert list(payload)[:2] == ["machine", "command"]
     assert payload["machine"]["cores"] == os.cpu_count() and payload["machine"]["cpu"]
