@@ -60,8 +60,10 @@ from nexrl.execute import execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
 from nexrl.run_setup import (
+    collector_paused,
     find_latest_checkpoint,
     find_resume_checkpoint,
+    frozen_setup_heap,
     release_freed_memory,
     resolve_run_config,
 )
@@ -103,8 +105,9 @@ class NexRLController:
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
         discard_trainer = _prestart_trainer(config)
         try:
-            self._config = resolve_run_config(config)
-            self.system = build_system(self._config)
+            with collector_paused():
+                self._config = resolve_run_config(config)
+                self.system = build_system(self._config)
         except BaseException:
             if discard_trainer is not None:
                 discard_trainer()
@@ -127,21 +130,23 @@ class NexRLController:
     def run(self) -> dict[str, float]:
         s = self.system
         logger.info("run dir: %s", self.run_dir)
-        for worker in s.train_workers:
-            execute(worker.initialize_workers)
-        self._load_initial_checkpoint()
+        with collector_paused():  # the models: they live for the run
+            for worker in s.train_workers:
+                execute(worker.initialize_workers)
+            self._load_initial_checkpoint()
         validate_first = self._config.validate.validate_before_train
         if validate_first:  # switch workers to validation before their loops start
             self._start_validate(self._tag)
-        s.start()
-        self._start_dashboard()
-        try:
-            if validate_first:
-                self._wait_validate()
-                self._end_validate(self._tag)
-            self._train_then_validate()
-        finally:
-            self._stop()
+        with frozen_setup_heap():
+            s.start()
+            self._start_dashboard()
+            try:
+                if validate_first:
+                    self._wait_validate()
+                    self._end_validate(self._tag)
+                self._train_then_validate()
+            finally:
+                self._stop()
         return self.final_metrics
 
     def _watch_once(self) -> bool:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import json
 import logging
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -199,3 +202,45 @@ def release_freed_memory() -> bool:
     except (OSError, AttributeError):
         trim = None
     return bool(trim(0)) if trim is not None else False
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a run is built. Nearly all that a build makes
+    (modules, the model, datasets, tokenizers) lives as long as the run, so the full
+    collections that its allocations set off walk a growing heap for nothing: 4 of them,
+    0.6-0.7 s of the default run's 3.9-4.9 s build (Zen 4). `freeze_setup_heap`
+    collects once at the start of the run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def freeze_setup_heap() -> int:
+    """Collect, then move every object alive now (imported modules, the model, datasets,
+    tokenizers) out of the cyclic garbage collector's sight; returns how many moved.
+
+    A full collection walks every tracked object. After the default task's setup that is
+    ~430,000 objects, and each full collection of its run paused all threads for 100-340 ms
+    (Zen 4); with the setup frozen it walks only what the run made since: 30-60 ms.
+    Frozen objects are still freed when their last reference goes; only cycles among
+    them wait for `gc.unfreeze()`. Processes that serve until they exit (the engine and
+    trainer children, Ray module actors) call it once set up."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+@contextmanager
+def frozen_setup_heap() -> Iterator[int]:
+    """`freeze_setup_heap()` for the span of a run, then hand the objects back to the
+    collector, so that a process that runs again (a notebook, a sweep, a test session)
+    can reclaim the cycles of the runs it finished."""
+    try:
+        yield freeze_setup_heap()
+    finally:
+        gc.unfreeze()

@@ -45,6 +45,7 @@ import ray
 from omegaconf import DictConfig
 
 from nexrl.distributed.recovery import ActorRestartedError
+from nexrl.run_setup import freeze_setup_heap
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class ModuleActor:
                 "its in-memory state; the run rewinds to its last checkpoint"
             )
             ray.get(journal.note_restart.remote(actor_id))
+        if actor_id != "driver":  # a process of its own, serving until it exits
+            freeze_setup_heap()
 
     def _replay(self, entries: list[tuple[str, str, tuple, dict]], tracker: Any) -> None:
         names = [args[0] for _, method, args, _ in entries if method == "set_module_name"]

@@ -142,6 +142,12 @@ class LLMServiceClient:
             )
         self._model_tag: str = section.model_tag
         self.max_retries = section.max_retries
+        self._retryer = Retrying(  # one for all calls: its per-call state is thread-local
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            retry=retry_if_exception_type((ConnectionError, TimeoutError, *_remote_errors())),
+            reraise=True,
+        )
         self.freeze_for_weight_sync = section.freeze_for_weight_sync
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_SAMPLES)
         self._controller: Any = None
@@ -254,13 +260,7 @@ class LLMServiceClient:
 
     def _retrying(self, fn, *args: Any) -> Any:
         """Call `fn`, retrying transport errors (never ValueError: a bad request stays bad)."""
-        retryer = Retrying(
-            stop=stop_after_attempt(self.max_retries + 1),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
-            retry=retry_if_exception_type((ConnectionError, TimeoutError, *_remote_errors())),
-            reraise=True,
-        )
-        return retryer(fn, *args)
+        return self._retryer(fn, *args)
 
     # -- weight sync ------------------------------------------------------------------------
     def set_weight_sync_controller(self, controller: Any) -> None:

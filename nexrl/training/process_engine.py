@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from nexrl.inference.health import describe_exit
+from nexrl.run_setup import collector_paused, freeze_setup_heap
 from nexrl.training import wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
@@ -212,18 +213,11 @@ def _take_spare() -> tuple[Any, Any] | None:
 def child_main(conn: Any) -> None:
     """Import the engine, take its config from the pipe, build it and say so; then answer
     calls until told to stop or the pipe closes."""
-    from nexrl.training.torch_engine import TorchTrainEngine
-
-    try:
-        config, model_path, threads = conn.recv()
-    except (EOFError, OSError):
-        return  # never used (a discarded spare, or the parent is gone)
-    torch.set_num_threads(threads)
-    try:
-        engine = TorchTrainEngine(config, model_path)
-    except Exception as exc:
-        conn.send_bytes(wire.pack({}, {"error": _described(exc)}))
+    with collector_paused():  # what it builds lives as long as the process
+        engine = _build_engine(conn)
+    if engine is None:
         return
+    freeze_setup_heap()  # full collections then skip the imports and the model
     start = {"fills_old_logprobs": bool(getattr(engine, "fills_old_logprobs", False))}
     start["has_ref"] = engine.ref_model is not None
     conn.send_bytes(wire.pack({}, {"step": engine.step, "result": start}))
@@ -241,6 +235,23 @@ def child_main(conn: Any) -> None:
         except Exception as exc:
             reply = wire.pack({}, {"error": _described(exc)})
         conn.send_bytes(reply)
+
+
+def _build_engine(conn: Any) -> Any | None:
+    """The engine, built from the config the parent sends; None when the parent sends none
+    (a discarded spare) or the build fails (the parent is told why)."""
+    from nexrl.training.torch_engine import TorchTrainEngine
+
+    try:
+        config, model_path, threads = conn.recv()
+    except (EOFError, OSError):
+        return None  # never used (a discarded spare, or the parent is gone)
+    torch.set_num_threads(threads)
+    try:
+        return TorchTrainEngine(config, model_path)
+    except Exception as exc:
+        conn.send_bytes(wire.pack({}, {"error": _described(exc)}))
+        return None
 
 
 class _Served:

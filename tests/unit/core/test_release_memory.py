@@ -1,19 +1,22 @@
-"""`release_freed_memory`: freed heap pages go back to the OS (glibc's malloc_trim)."""
+"""Process memory around a run: freed heap pages go back to the OS (glibc's malloc_trim),
+and the setup's objects are kept out of the cyclic collector's walks while a run trains."""
 
+import gc
 import os
 import platform
+import weakref
 
 import pytest
 
-from nexrl.run_setup import release_freed_memory
+from nexrl.run_setup import frozen_setup_heap, release_freed_memory
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_freed_heap_memory_goes_back_to_the_os():
     blocks = [bytes(1024) for _ in range(200_000)]  # ~200 MB of malloc'd 1 KiB blocks
     pin = bytes(1024)  # allocated after them: the heap's top cannot shrink past it
@@ -22,3 +25,24 @@ def test_freed_heap_memory_goes_back_to_the_os():
     assert release_freed_memory()
     assert held - rss() > 100 * 2**20
     del pin
+
+
+class Node:
+    pass
+
+
+def test_the_setup_heap_is_frozen_for_a_run_then_handed_back():
+    setup = Node()
+    setup.me = setup  # a cycle: only the collector can free it
+    ref = weakref.ref(setup)
+    with frozen_setup_heap() as frozen:
+        assert frozen > 10_000
+        assert not any(o is setup for o in gc.get_objects())  # full collections skip it
+        made_in_run = Node()
+        assert any(o is made_in_run for o in gc.get_objects())
+        del setup
+        gc.collect()
+        assert ref() is not None  # a frozen cycle waits for the unfreeze
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref() is None
