@@ -266,9 +266,12 @@ class RewardRunner:
           the caller's thread.
 
         Closing the iterator early (the rollout worker stops at the first failure)
-        cancels the items not started yet.
+        cancels the items not started yet; closing the runner before an async group's
+        job started fails its items (`CancelledError`) instead of leaving them waiting.
         """
         calls = [item.args() for item in items]
+        if not calls:
+            return
         if self._pool is None and not self.is_async:
             yield from self._iter_in_order(calls)
             return
@@ -277,7 +280,8 @@ class RewardRunner:
             futures = [self._schedule(args) for args in calls]
         else:
             futures = [concurrent.futures.Future() for _ in calls]
-            self._threads.submit(asyncio.run, self._agather(calls, futures))
+            job = self._threads.submit(lambda: asyncio.run(self._agather(calls, futures)))
+            job.add_done_callback(lambda job: _cancel_if_cancelled(job, futures))
             if self.timeout_s is not None:
                 deadline = time.monotonic() + self.timeout_s
         try:
@@ -458,3 +462,12 @@ class _InOrderJob:
 
 def _exception(exc: BaseException) -> RewardOutcome:
     return RewardOutcome(None, error="exception", detail=f"{type(exc).__name__}: {exc}")
+
+
+def _cancel_if_cancelled(
+    job: concurrent.futures.Future, futures: list[concurrent.futures.Future]
+) -> None:
+    """A group's job cancelled before it ran (`close`): its items will never be set."""
+    if job.cancelled():
+        for fut in futures:
+            fut.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -261,6 +262,22 @@ def test_closing_iter_scores_early_cancels_the_items_not_started() -> None:
         release.set()
         time.sleep(0.2)
     assert calls == {"a": 1, "bb": 1}
+
+
+@pytest.mark.timeout(30)  # before the fix, the items waited forever
+def test_closing_the_runner_fails_an_async_group_still_queued() -> None:
+    runner = RewardRunner(async_reward, timeout_s=None)
+    runner._threads.shutdown()
+    runner._threads = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    busy = threading.Event()
+    runner._threads.submit(busy.wait)  # the group's job waits behind this one
+    closer = threading.Timer(0.3, runner.close)
+    closer.start()
+    outcomes = list(runner.iter_scores(_group(3)))
+    busy.set()
+    closer.join()
+    assert [o.error for o in outcomes] == ["exception"] * 3
+    assert all("CancelledError" in o.detail for o in outcomes)
 
 
 @pytest.mark.slow
