@@ -35,6 +35,7 @@ activity tracker.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -188,6 +189,10 @@ class ModuleActor:
     def pid(self) -> int:
         """The actor's process id (fault-injection tests kill it)."""
         return os.getpid()
+
+    def frozen_objects(self) -> int:
+        """Objects this actor froze once its modules were built (`freeze_setup_heap`)."""
+        return gc.get_freeze_count()
 
     def torch_threads(self) -> int:
         """Threads torch computes with in this actor (`ray.torch_threads`)."""
