@@ -37,9 +37,13 @@ loader hand-out and give-back holds too), so a task is either in the loader
 state or in the pending list, never both and never neither; on resume the
 pending tasks go back to the front of the loader (`restore`).
 
-Thread safety: one condition guards the state; loader calls happen outside it
-(in Ray mode they are calls to another actor). `wait_admission` sleeps on the
-condition, which every state change notifies.
+Thread safety: one lock guards the state; loader calls happen outside it (in
+Ray mode they are calls to another actor). Two conditions share that lock:
+workers waiting for admission sleep on `_cond`, which only the changes that can
+admit a group notify (capacity released, a batch formed, a new version, a hold
+lifted), and `wait_idle` sleeps on `_idle`, which every finished group notifies.
+A group that reaches the pool changes nothing admission reads, so the workers
+already waiting are not woken by each other's groups.
 """
 
 from __future__ import annotations
@@ -102,7 +106,9 @@ class TaskAdmission:
     def __init__(self, policy: SamplePolicy, max_task_retries: int) -> None:
         self.policy = policy
         self.max_task_retries = max_task_retries
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # admission may have opened
+        self._idle = threading.Condition(lock)  # a group stopped generating
         self._tags: dict[ModelTag, _TagState] = {}
         self._ids = itertools.count()
         # Loader hand-outs / give-backs and `_live` change together under `_io`, so a
@@ -185,11 +191,12 @@ class TaskAdmission:
         with self._cond:
             state = self._state(tag)
             state.generating = max(0, state.generating - 1)
-            if result is StepResult.SUCCESS:
+            if result is StepResult.SUCCESS:  # still outstanding: admits nobody
                 state.pooled[task.task_id] = task
             else:
                 state.ledger.release()
-            self._cond.notify_all()
+                self._cond.notify_all()
+            self._idle.notify_all()
         if result is StepResult.SUCCESS:
             return
         self._count(f"rollout/released/{_RELEASE_REASON[result]}")
@@ -235,6 +242,7 @@ class TaskAdmission:
         state.ledger.release()
         if generating:
             state.generating = max(0, state.generating - 1)
+            self._idle.notify_all()
         self._cond.notify_all()
 
     # -- tail batch ------------------------------------------------------------------
@@ -266,6 +274,7 @@ class TaskAdmission:
         stale_tasks: list[Task] = []
         with self._cond:
             state = self._state(tag)
+            room = state.ledger.room()
             index, bound = state.ledger.formed, self.policy.staleness_threshold
             plan = BatchPlan()
             for pos, g in enumerate(groups):
@@ -285,7 +294,8 @@ class TaskAdmission:
                     state.pooled.pop(task_id, None)
                 state.formed[plan.index] = sorted(tasks)
             state.ledger.release(len(stale_tasks))
-            self._cond.notify_all()
+            if state.ledger.room() > room:
+                self._cond.notify_all()
         for task in stale_tasks:
             self.requeue(task)
         self._count("staleness/dropped", len(stale_tasks))
@@ -379,6 +389,7 @@ class TaskAdmission:
             self._tags.clear()
             self._live.clear()
             self._cond.notify_all()
+            self._idle.notify_all()
 
     def pending_count(self) -> int:
         """Handed-out training tasks not yet trained, dropped, failed or given back."""
@@ -402,13 +413,14 @@ class TaskAdmission:
         with self._cond:
             holds = self._state(tag).holds
             holds.add(reason) if on else holds.discard(reason)
-            self._cond.notify_all()
+            if not on:
+                self._cond.notify_all()
 
     def wait_idle(self, tag: ModelTag, timeout: float | None = None) -> bool:
         """Until no admitted group of `tag` is generating (batch-async pushes wait for it),
         or `timeout` s; False if groups still generate then."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._state(tag).generating == 0, timeout)
+        with self._idle:
+            return self._idle.wait_for(lambda: self._state(tag).generating == 0, timeout)
 
     def version(self, tag: ModelTag) -> int:
         with self._cond:

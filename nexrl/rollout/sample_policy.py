@@ -149,6 +149,11 @@ class AdmissionLedger:
         lag = self.formed - self.version
         return max(0, (self.policy.staleness_threshold + 1 - lag) * gpb) + self.policy.extra_groups
 
+    def room(self) -> float:
+        """Groups that may be admitted now (inf: admission off)."""
+        cap = self.capacity()
+        return math.inf if cap is None else cap - self.outstanding
+
     def acquire(self) -> bool:
         cap = self.capacity()
         if cap is not None and self.outstanding >= cap:
