@@ -251,7 +251,12 @@ class LLMServiceClient:
 
     def _local_generate(self, prompt: Any, ids: list[int], kwargs: Mapping) -> dict[str, Any]:
         version = self._engine.version
-        request = GenerationRequest(list(ids), sampling_from_kwargs(kwargs), rid=kwargs.get("rid"))
+        request = GenerationRequest(
+            list(ids),
+            sampling_from_kwargs(kwargs),
+            rid=kwargs.get("rid"),
+            cache_output=bool(kwargs.get("cache_output", True)),
+        )
         response = self._engine.generate(request)
         return result_dict(prompt, response, version)
 

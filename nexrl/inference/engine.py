@@ -416,14 +416,17 @@ class Engine:
     def _cache_samples(self, rows: list[int], taken: list[tuple[Row, GenerationOutput]]) -> None:
         """Put finished samples in the prefix cache: their KV (the prompt and all but the
         last sampled token) serves a next turn that quotes them. Samples with a token of
-        older weights are left out (the cache holds the current weights' KV only)."""
+        older weights are left out (the cache holds the current weights' KV only), and so
+        are those of requests that send no next turn (`cache_output` off)."""
         items = []
         for j, (row, out) in zip(rows, taken, strict=True):
             versions = out.output_versions
-            if versions and all(v == self._version for v in versions):
+            keep = row.pending.request.cache_output
+            if keep and versions and all(v == self._version for v in versions):
                 tokens = row.pending.request.input_ids + out.output_ids[:-1]
                 items.append((tokens, j, row.pending.prefix_anchor))
-        self.prefix.insert(self.runner, items)
+        if items:
+            self.prefix.insert(self.runner, items)
 
     def _abort(self, rid: str | None) -> None:
         self._waiting.extend(self._inbox)

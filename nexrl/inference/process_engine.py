@@ -441,4 +441,5 @@ def _request_dict(request: GenerationRequest) -> dict[str, Any]:
         "sampling": asdict(request.sampling),
         "rid": request.rid,
         "metadata": request.metadata,
+        "cache_output": request.cache_output,
     }

@@ -37,12 +37,18 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
-    """One prompt, `sampling.n` samples. `rid` identifies it for abort."""
+    """One prompt, `sampling.n` samples. `rid` identifies it for abort.
+
+    `cache_output`: keep each finished sample (prompt and reply) in the engine's prefix
+    cache, so that a next turn quoting it skips their prefill. A caller that sends no
+    next turn (single-turn rollouts) turns it off and saves the copy; the prompt is
+    cached either way (the built-in engine; other engines ignore it)."""
 
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    cache_output: bool = True
 
 
 @dataclass

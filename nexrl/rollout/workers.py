@@ -78,12 +78,15 @@ class GroupSampler:
         self._worker = worker
 
     def sampling_kwargs(self, validate: bool) -> dict[str, Any]:
+        """The group's request options. One turn, no follow-up: the engine need not keep
+        the samples in its prefix cache (`cache_output`; the prompt is kept)."""
         cfg, ctx = self._worker._config, self._worker._context
         if validate:
             return {
                 "n": ctx.validate_samples,
                 "max_tokens": cfg.max_tokens,
                 "temperature": ctx.validate_temperature,
+                "cache_output": False,
             }
         return {
             "n": cfg.group_size,
@@ -91,6 +94,7 @@ class GroupSampler:
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "top_k": cfg.top_k,
+            "cache_output": False,
         }
 
     def first_request(self, prompt: Prompt, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,17 @@ def test_group_reaches_the_pool_with_engine_tokens(client):
     assert all(0.0 <= r <= 1.0 for r in batch.values["reward"])
 
 
+def test_single_turn_groups_leave_their_replies_out_of_the_prefix_cache(client):
+    """No next turn quotes a single-turn reply: only the prompt is cached."""
+    items = [{"prompt": "wxyz>", "answer": "xyza", "uid": "u9"}]
+    side = build_rollout_side(client, items, shift_letters)
+    cache, prompt_ids = client._engine.prefix, client.tokenizer("wxyz>")["input_ids"]
+    before, known = cache.stats["cached_tokens"], cache.cached_length(prompt_ids)
+    assert side.worker._loop_once()
+    assert side.pool.get_batch().values["prompt_ids"][0] == prompt_ids
+    assert cache.stats["cached_tokens"] - before == len(prompt_ids) - known
+
+
 def test_raising_reward_is_reported_retried_then_counted(client):
     def broken(prompt, completion, **row):
         raise ZeroDivisionError("bad reward")

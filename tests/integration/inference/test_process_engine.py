@@ -29,6 +29,12 @@ def test_process_engine_matches_in_process(tiny_path, other_weights_path):
         assert eng.version == 1 and after.outputs[0].output_versions == [1] * len(
             after.outputs[0].output_ids
         )
+        turn1 = [9, 10, 11, 12]  # a reply left out of the child's prefix cache
+        one = GenerationRequest(turn1, SamplingParams(max_new_tokens=3), cache_output=False)
+        reply = eng.generate(one).outputs[0].output_ids
+        hits = eng.stats["prefix_hit_tokens"]
+        eng.generate(GenerationRequest([*turn1, *reply, 13], SamplingParams(max_new_tokens=1)))
+        assert eng.stats["prefix_hit_tokens"] - hits == len(turn1)  # the prompt only
         eng.pause()
         eng.resume()
         assert eng.stats["requests"] >= 2 and eng.health()

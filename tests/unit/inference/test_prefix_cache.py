@@ -92,16 +92,20 @@ def test_burst_with_a_shared_prefix_prefills_one_prompt_first(tiny_path):
         engine.shutdown()
 
 
-def test_multi_turn_prompt_reads_the_earlier_turn_and_its_reply(tiny_path, plain):
+@pytest.mark.parametrize("cache_output", [True, False])
+def test_multi_turn_prompt_reads_the_earlier_turn_and_its_reply(tiny_path, plain, cache_output):
     turn1 = _chats(1, seed=3)[0]
     engine = Engine(tiny_path, max_batch_size=8, prefix_cache_gib=0.01)
     try:
-        reply = _run(engine, [turn1])[0][0].output_ids
+        request = GenerationRequest(list(turn1), _params(1, 0.0, 0), cache_output=cache_output)
+        reply = engine.generate(request).outputs[0].output_ids
         turn2 = turn1 + reply + [40, 41, 42]
         before = engine.stats["prefix_hit_tokens"]
         _same(_run(plain, [turn2]), _run(engine, [turn2]))
-        # the reply's last token was sampled, never fed back: it has no KV
-        assert engine.stats["prefix_hit_tokens"] - before == len(turn1) + len(reply) - 1
+        # the reply's last token was sampled, never fed back: it has no KV; without
+        # `cache_output` only the first turn's prompt was kept
+        hits = len(turn1) + len(reply) - 1 if cache_output else len(turn1)
+        assert engine.stats["prefix_hit_tokens"] - before == hits
     finally:
         engine.shutdown()
 
