@@ -25,6 +25,13 @@ nexrl side; "update s" is the forward / backward / optimizer step (`timing/updat
     python benchmarks/bench_e2e.py --seeds 3      # each side with seeds 42, 43, 44: medians
     python benchmarks/bench_e2e.py --smoke        # seconds: 2 tiny steps of each side
     python benchmarks/bench_e2e.py --device cuda  # both sides on a GPU: results/e2e_cuda.md
+    python benchmarks/bench_e2e.py --model micro --steps 150  # host overhead: e2e_micro.md
+
+`--model micro` trains a 1-layer, 16-wide Qwen2 with the same tokenizer instead (it
+does not learn the task): its arithmetic is next to nothing, so each side's step is
+what its Python and torch's dispatch cost around the model. That is the regime of a
+small model on a GPU, where the tiny model's kernels take less time than launching
+them, so the host side of a GPU run can be worked on without a GPU.
 
 Steps to 0.9 vary from seed to seed (sampling) and, on the nexrl side, from run to
 run (asynchronous scheduling), so one run per side can move the wall-clock ratio by
@@ -54,7 +61,7 @@ from nexrl.config import load_config
 from nexrl.controller import NexRLController
 from nexrl.data.tasks import write_task
 from nexrl.inference.client import shutdown_local_engines
-from nexrl.models.tiny import default_model_path
+from nexrl.models.tiny import DEFAULT_MODEL_VERSION, build_tiny_qwen2, cache_dir, default_model_path
 from nexrl.rewards import shift_letters
 
 TARGET, WINDOW = 0.9, 5
@@ -174,6 +181,14 @@ def minimal_grpo(
 # ------------------------------------------------------------------ nexrl runs
 
 
+def micro_model_path() -> Path:
+    """A 1-layer Qwen2, 16 wide, with the embedded model's tokenizer (built once)."""
+    path = cache_dir() / "models" / f"micro-qwen2-char-v{DEFAULT_MODEL_VERSION}"
+    return build_tiny_qwen2(
+        path, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    )
+
+
 def nexrl_run(overrides: list[str]) -> list[dict[str, float]]:
     shutdown_local_engines()
     start = time.time()  # start-up (building the run, the engines) counts in `since_start_s`
@@ -266,6 +281,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="2 steps of 4 x 4 each, no files")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--device", default="cpu", help="cuda: the minimal loop and nexrl's engine")
+    p.add_argument(
+        "--model",
+        choices=["tiny", "micro"],
+        default="tiny",
+        help="micro: next to no arithmetic, each side's host overhead (see above)",
+    )
     return p
 
 
@@ -277,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     train_path, _ = write_task("shift_letters", tmp / "data")
     rows = [json.loads(x) for x in train_path.read_text().splitlines()]
-    model = default_model_path()
+    model = micro_model_path() if args.model == "micro" else default_model_path()
+    print(f"model: {model}", flush=True)
     seeds = [42 + i for i in range(max(1, args.seeds))]
     base = [
         f"output_dir={tmp / 'out'}",
@@ -289,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         "train_worker.save_freq=0",
         "logger.backend=[jsonl]",
         f"+service.inference_service.engine.device={args.device}",  # the trainer takes a GPU
+        *([f"model_path={model}"] if args.model == "micro" else []),
     ]
     sides = run_sides(model, rows, (prompts, group, steps), seeds, base, args.device)
     results = {name: median_of(runs) for name, runs in sides.items()}
@@ -297,8 +320,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     shutdown_local_engines()
     ratios = compute_ratios(results)
     if not args.smoke:
-        name = "e2e.md" if args.device == "cpu" else f"e2e_{torch.device(args.device).type}.md"
-        write(args.out / name, results, ratios, len(seeds))
+        device = "" if args.device == "cpu" else f"_{torch.device(args.device).type}"
+        model_name = "_micro" if args.model == "micro" else ""
+        write(args.out / f"e2e{device}{model_name}.md", results, ratios, len(seeds))
     for k, v in ratios.items():
         print(f"{k}: {'-' if v is None else f'{v:.3f}'}")
     return results

@@ -130,6 +130,16 @@ def test_e2e_smoke_mode_with_several_seeds(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_e2e_smoke_mode_on_the_micro_model(tmp_path: Path) -> None:
+    bench = load_bench("bench_e2e.py")
+    config = json.loads((bench.micro_model_path() / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (16, 1)
+    out = run_smoke("bench_e2e.py", "--model", "micro", "--out", str(tmp_path))
+    assert f"model: {bench.micro_model_path()}" in out  # both sides train it
+    assert SMOKE_LINES["bench_e2e.py"] in out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
 def test_async_smoke_mode_on_one_engine_and_task(tmp_path: Path) -> None:
     out = run_smoke("bench_async.py", "--only", "emulated/long_tail", "--out", str(tmp_path))
     assert "## emulated / long_tail" in out and "## emulated / default" not in out
