@@ -14,6 +14,7 @@ Usage order, from the engine's scheduler thread only:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -75,16 +76,15 @@ class Row:
     generator: torch.Generator | None
 
 
-# Row kinds counted so that a step skips the work no running row needs.
-_KINDS: dict[str, Callable[[Row], bool]] = {
-    "stop_strings": lambda r: bool(r.pending.checker.stop),
-    "seeded": lambda r: r.generator is not None,
-    "streaming": lambda r: r.pending.on_token is not None,
-    "greedy": lambda r: r.pending.request.sampling.temperature <= 0,
-    "tempered": lambda r: r.pending.request.sampling.temperature not in (0, 1),
-    "truncated": lambda r: (
-        r.pending.request.sampling.top_k > 0 or r.pending.request.sampling.top_p < 1
-    ),
+# Row kinds counted so that a step skips the work no running row needs. A kind is the
+# request's: its n rows are all of it (a seeded request's rows carry generators).
+_KINDS: dict[str, Callable[[Pending], bool]] = {
+    "stop_strings": lambda p: bool(p.checker.stop),
+    "seeded": lambda p: p.request.sampling.seed is not None,
+    "streaming": lambda p: p.on_token is not None,
+    "greedy": lambda p: p.request.sampling.temperature <= 0,
+    "tempered": lambda p: p.request.sampling.temperature not in (0, 1),
+    "truncated": lambda p: p.request.sampling.top_k > 0 or p.request.sampling.top_p < 1,
 }
 
 
@@ -166,8 +166,13 @@ class RunningBatch:
         return idx
 
     def _count(self, rows: list[Row], sign: int) -> None:
-        for kind, test in _KINDS.items():
-            self.counts[kind] += sign * sum(map(test, rows))
+        """Add (`sign` 1) or take away (-1) `rows` in the kind counts, testing each run of
+        rows of one request once."""
+        for _, run in itertools.groupby(rows, key=lambda r: id(r.pending)):
+            same = list(run)
+            for kind, test in _KINDS.items():
+                if test(same[0].pending):
+                    self.counts[kind] += sign * len(same)
 
     def generators(self, rows: slice) -> dict[int, torch.Generator]:
         """Private generators by position in the row range `rows`."""
@@ -249,7 +254,7 @@ class RunningBatch:
         b = len(self.rows)
         keep_n = b - len(finished)
         gone = set(finished)
-        self._count([self.rows[j] for j in gone], -1)
+        self._count([self.rows[j] for j in sorted(gone)], -1)
         holes = [j for j in sorted(gone) if j < keep_n]
         movers = [j for j in range(keep_n, b) if j not in gone]
         src = to_device(torch.tensor(movers, dtype=torch.long), self.pos.device)
