@@ -103,6 +103,22 @@ def test_groups_reaching_the_pool_do_not_wake_waiting_workers_and_a_new_version_
 
 
 @pytest.mark.timeout(30)
+def test_a_stale_group_dropped_while_a_batch_forms_admits_a_waiting_worker():
+    admission, counting = _admission()
+    running = [admission.acquire(TAG, validating=False) for _ in range(GROUPS)]
+    threads, got = _waiters(admission, 1)
+    assert _until(lambda: counting.waiting == 1)
+    for task in running:
+        admission.complete(TAG, task, StepResult.SUCCESS)
+    stale = GroupInfo(running[0].task_id, min_version=-1)  # older than the bound allows
+    plan = admission.form_batch(TAG, [stale, GroupInfo(running[1].task_id, 0)], GROUPS)
+    assert plan.stale == [0] and plan.index is None  # one fresh group cannot fill it
+    assert _until(lambda: got != [], timeout=2.0)  # its place is free: no 10 s wait
+    assert got[0].task_id == running[0].task_id  # the stale task, served again first
+    threads[0].join(timeout=5.0)
+
+
+@pytest.mark.timeout(30)
 def test_a_hold_being_set_wakes_nobody_and_its_release_does():
     admission, counting = _admission()
     admission.hold(TAG, "validation", on=True)
