@@ -254,8 +254,9 @@ class RunningBatch:
         b = len(self.rows)
         keep_n = b - len(finished)
         gone = set(finished)
-        self._count([self.rows[j] for j in sorted(gone)], -1)
-        holes = [j for j in sorted(gone) if j < keep_n]
+        order = sorted(gone)
+        self._count([self.rows[j] for j in order], -1)
+        holes = [j for j in order if j < keep_n]
         movers = [j for j in range(keep_n, b) if j not in gone]
         src = to_device(torch.tensor(movers, dtype=torch.long), self.pos.device)
         dst = to_device(torch.tensor(holes, dtype=torch.long), self.pos.device)

@@ -155,8 +155,7 @@ class AdmissionLedger:
         return math.inf if cap is None else cap - self.outstanding
 
     def acquire(self) -> bool:
-        cap = self.capacity()
-        if cap is not None and self.outstanding >= cap:
+        if self.room() <= 0:
             return False
         self.outstanding += 1
         return True
