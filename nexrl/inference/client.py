@@ -34,6 +34,7 @@ from nexrl.inference.protocol import (
     SamplingParams,
     WeightUpdateMeta,
 )
+from nexrl.inference.sampler import encode_text
 
 REMOTE_BACKENDS = ("remote", "vllm", "sglang")
 _BLOCK_POLL_S = 0.02
@@ -261,7 +262,7 @@ class LLMServiceClient:
         return result_dict(prompt, response, version)
 
     def _encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return encode_text(self.tokenizer, prompt)
 
     def _retrying(self, fn, *args: Any) -> Any:
         """Call `fn`, retrying transport errors (never ValueError: a bad request stays bad)."""

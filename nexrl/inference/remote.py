@@ -30,6 +30,7 @@ from nexrl.inference.protocol import (
     GenerationResponse,
     WeightUpdateMeta,
 )
+from nexrl.inference.sampler import encode_text
 
 _CONTROL = {
     "remote": {
@@ -205,7 +206,7 @@ class RemoteBackend:
         ids = c.get("token_ids")
         retokenized = ids is None
         if retokenized:
-            ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+            ids = encode_text(self.tokenizer, text)
         version = c.get("token_versions") or [self._version] * len(ids)
         return {
             "response": text,
@@ -222,11 +223,7 @@ class RemoteBackend:
             ids = (
                 prompt_ids
                 if prompt_ids is not None
-                else (
-                    list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-                    if prompt
-                    else []
-                )
+                else (encode_text(self.tokenizer, prompt) if prompt else [])
             )
         version = resp.get("weight_version", self._version)
         return {

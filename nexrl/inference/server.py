@@ -60,6 +60,7 @@ from nexrl.inference.protocol import (
     InferenceEngine,
     WeightUpdateMeta,
 )
+from nexrl.inference.sampler import encode_text
 from nexrl.inference.server_metrics import ServerMetrics
 from nexrl.inference.tool_parsers import ToolCallParser, get_parser
 
@@ -407,18 +408,14 @@ def _control_routes(app: FastAPI, engine: InferenceEngine, weights_dirs: list[st
 def _prompt_batch(prompt: Any, tokenizer, vocab: int) -> list[list[int]]:
     """OpenAI's `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
-        return [_encode(prompt, tokenizer)]
+        return [encode_text(tokenizer, prompt)]
     if not prompt:
         raise APIError(400, "prompt: empty; give text or token ids")
     if all(isinstance(p, str) for p in prompt):
-        return [_encode(p, tokenizer) for p in prompt]
+        return [encode_text(tokenizer, p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [_checked_ids(p, vocab) for p in prompt]
     return [_checked_ids(prompt, vocab)]
-
-
-def _encode(text: str, tokenizer) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
 def _checked_ids(ids: list[int], vocab: int) -> list[int]:

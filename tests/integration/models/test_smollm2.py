@@ -100,3 +100,10 @@ def test_engine_and_trainer_logprobs_agree(engine, smollm2_dir, prompts):
 def test_request_that_does_not_fit_fails_naming_the_lengths(engine, prompts):
     with pytest.raises(ValueError, match=r"prompt has \d+ tokens \+ max_new_tokens 200"):
         engine.generate(GenerationRequest(list(prompts[0]), SamplingParams(max_new_tokens=200)))
+
+
+def test_encode_text_gives_the_tokenizer_call_s_ids(tokenizer):
+    from nexrl.inference.sampler import encode_text
+
+    for text in [*QUESTIONS, "<|im_start|>user\nhi<|im_end|>", " lead space", "Ünïcode 🙂"]:
+        assert encode_text(tokenizer, text) == tokenizer(text)["input_ids"], text
