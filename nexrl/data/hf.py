@@ -49,6 +49,7 @@ def as_data_config(config: DataConfig | Mapping[str, Any], is_validate: bool = F
     return dataclasses.replace(base, **raw)
 
 
+READ_BLOCK = 64  # rows read from the table per query (`_block_rows`)
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -73,9 +74,8 @@ class HFDataLoader(BaseDataLoader):
             ds = ds.select(range(min(config.max_items, len(ds))))
         validate_rows(ds, self._prompt_key, self._path)
         self._dataset = ds
-        self._epoch = 0
-        self._pos = 0
-        self._order = self._permutation(0)
+        self._blocks = ds.format["type"] is None  # a formatted table is read row by row
+        self._set_epoch(0)
 
     # ---- order ------------------------------------------------------------
     @property
@@ -91,9 +91,30 @@ class HFDataLoader(BaseDataLoader):
             return np.arange(self.num_rows)
         return np.random.default_rng([self._seed, epoch]).permutation(self.num_rows)
 
-    def _row(self, index: int, epoch: int) -> dict[str, Any]:
+    def _row(self, index: int, epoch: int, data: dict[str, Any] | None = None) -> dict[str, Any]:
         prefix = "val-" if self._is_validate else ""
-        return {**self._dataset[int(index)], "index": int(index), "uid": f"{prefix}{epoch}-{index}"}
+        if data is None:
+            data = self._dataset[int(index)]
+        return {**data, "index": int(index), "uid": f"{prefix}{epoch}-{index}"}
+
+    def _block_rows(self, pos: int) -> list[dict[str, Any]]:
+        """The rows at cursor positions [start, start + READ_BLOCK) of this epoch's order
+        (start: `pos` rounded down), read in one table query: a query per row costs ~20 us
+        of interpreter time on the path every rollout task takes."""
+        start = pos - pos % READ_BLOCK
+        if self._block_start != start:
+            picked = [int(i) for i in self._order[start : start + READ_BLOCK]]
+            columns = self._dataset[picked]
+            rows = zip(*columns.values(), strict=True)
+            self._block = [dict(zip(columns, values, strict=True)) for values in rows]
+            self._block_start = start
+        return self._block
+
+    def _set_epoch(self, epoch: int, pos: int = 0) -> None:
+        self._epoch, self._pos = epoch, pos
+        self._order = self._permutation(epoch)
+        self._block: list[dict[str, Any]] = []  # rows read ahead (`_block_rows`)
+        self._block_start: int | None = None
 
     # ---- BaseDataLoader hooks --------------------------------------------
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -113,16 +134,16 @@ class HFDataLoader(BaseDataLoader):
     def _next_fresh(self) -> dict[str, Any] | None:
         if self._fresh_exhausted():
             return None
-        item = self._row(self._order[self._pos], self._epoch)
+        pos = self._pos
+        data = self._block_rows(pos)[pos % READ_BLOCK] if self._blocks else None
+        item = self._row(self._order[pos], self._epoch, data)
         self._pos += 1
         if self._pos == self.num_rows:
-            self._epoch, self._pos = self._epoch + 1, 0
-            self._order = self._permutation(self._epoch)
+            self._set_epoch(self._epoch + 1)
         return item
 
     def _reset_fresh(self) -> None:
-        self._epoch, self._pos = 0, 0
-        self._order = self._permutation(0)
+        self._set_epoch(0)
 
     # ---- checkpoint -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -148,8 +169,7 @@ class HFDataLoader(BaseDataLoader):
         if state.get("shuffle", self._shuffle) != self._shuffle:
             raise ValueError(f"{self._path}: loader state was saved with a different shuffle")
         with self._lock:
-            self._epoch, self._pos = int(state["epoch"]), int(state["position"])
-            self._order = self._permutation(self._epoch)
+            self._set_epoch(int(state["epoch"]), int(state["position"]))
             self._restore_returned(list(state.get("returned", [])))
 
 

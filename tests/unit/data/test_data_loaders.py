@@ -234,3 +234,50 @@ def test_times_tables_task_covers_the_tables_with_a_held_out_part(tmp_path):
     assert len(pairs) == 121  # every question once: train and held-out are disjoint
     with pytest.raises(ValueError, match="exceeds the 121 questions"):
         write_task("arithmetic", tmp_path, n_train=100, n_val=22, ops="*", operands=(2, 12))
+
+
+def _row_by_row(ds: datasets.Dataset, item: dict) -> dict:
+    """What the loader hands out for `item`'s row, read from the table by itself."""
+    return {**ds[item["index"]], "index": item["index"], "uid": item["uid"]}
+
+
+@pytest.mark.parametrize("fmt", [None, "numpy"])
+def test_rows_read_in_blocks_equal_rows_read_one_by_one(tmp_path: Path, fmt) -> None:
+    # 150 rows: blocks of 64 end mid-epoch and the last one is short; 2.5 epochs cross
+    # two epoch boundaries, where the order (and so every block) changes
+    ds = datasets.Dataset.from_dict(
+        {
+            "prompt": [f"p{i}" for i in range(150)],
+            "answer": list(range(150)),
+            "tags": [[i, -i] for i in range(150)],
+        }
+    )
+    if fmt:
+        ds = ds.with_format(fmt)  # a saved dataset keeps its format: read row by row
+    ds.save_to_disk(str(tmp_path / "saved"))
+    loader = HFDataLoader({"path": str(tmp_path / "saved"), "seed": 5})
+    table = loader._dataset
+    items = drain(loader, 375)
+    for item in items:
+        got, want = item, _row_by_row(table, item)
+        assert got.keys() == want.keys()
+        assert all(str(got[k]) == str(want[k]) for k in want), (got, want)
+    for epoch in range(3):
+        order = [it["index"] for it in items if it["uid"].startswith(f"{epoch}-")]
+        assert order == [int(i) for i in loader._permutation(epoch)][: len(order)]
+        assert len(order) == (150 if epoch < 2 else 75)
+
+
+def test_a_resumed_or_reset_loader_reads_its_new_position(tmp_path: Path) -> None:
+    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(100)]
+    cfg = {"path": str(write_jsonl(tmp_path / "d.jsonl", rows)), "seed": 1}
+    a = HFDataLoader(cfg)
+    drain(a, 70)  # mid second block
+    state = a.state_dict()
+    b = HFDataLoader(cfg)
+    drain(b, 10)  # b has read its own first block
+    b.load_state_dict(state)
+    assert [it["uid"] for it in drain(b, 50)] == [it["uid"] for it in drain(a, 50)]
+    b.reset()
+    fresh = HFDataLoader(cfg)
+    assert drain(b, 80) == drain(fresh, 80)
