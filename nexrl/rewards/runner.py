@@ -252,18 +252,18 @@ class RewardRunner:
         return list(self.iter_scores(items))
 
     def iter_scores(self, items: Sequence[RewardCall]) -> Iterator[RewardOutcome]:
-        """Yield each item's outcome, in order, as soon as it is known (blocking, like
-        `score`, with the same failure kinds per item; never raises for a reward).
+        """Yield each item's outcome, in order (blocking, like `score`, with the same
+        failure kinds per item; never raises for a reward).
 
         - process pool: every item is scheduled at once, each killed after `timeout_s`;
         - async reward: all items run concurrently in one event loop on one pool
           thread, each under `timeout_s`;
-        - sync reward: the items run one after the other in one pool-thread job.
-          Item i may take `timeout_s` from when the caller received item i-1 (a
-          thread switch after it finished). A hung item gets the `timeout` outcome
-          and the items after it go to a new job; the hung thread cannot be killed
-          and keeps running, as for `score`. Without a timeout the items run in
-          the caller's thread.
+        - sync reward: the items run one after the other in one pool-thread job, whose
+          outcomes come when its last item ends or an item fails. Item i may take
+          `timeout_s` from when item i-1 ended (item 0: from when the job was
+          queued). A hung item gets the `timeout` outcome and the items after it go
+          to a new job; the hung thread cannot be killed and keeps running, as for
+          `score`. Without a timeout the items run in the caller's thread.
 
         Closing the iterator early (the rollout worker stops at the first failure)
         cancels the items not started yet; closing the runner before an async group's
@@ -362,7 +362,7 @@ class RewardRunner:
             return
         done = 0
         while done < len(calls):
-            job = _InOrderJob()
+            job = _InOrderJob(len(calls) - done)
             self._threads.submit(self._run_in_order, calls[done:], job)
             try:
                 for i in range(len(calls) - done):
@@ -440,24 +440,37 @@ class RewardRunner:
 class _InOrderJob:
     """The results of one pool-thread job, in call order, behind one condition for the
     whole group (a future per call made a lock and a condition each: 256 per train
-    step of the default run)."""
+    step of the default run).
 
-    def __init__(self) -> None:
+    The job wakes its caller once, when its last call ends or a call fails, not at every
+    result: a wake-up is a thread switch, and 16 of them per group kept the caller
+    waiting on the interpreter. A hung call is found by the caller's own clock: each
+    call may run `timeout` seconds from when the call before it ended (`since`)."""
+
+    def __init__(self, calls: int) -> None:
         self._cond = threading.Condition()
         self._results: list[tuple[bool, Any]] = []
+        self._calls = calls
+        self.since = time.monotonic()  # when the running call started (or was queued)
         self.abandoned = False
 
     def post(self, ok: bool, value: Any) -> None:
         with self._cond:
             self._results.append((ok, value))
-            self._cond.notify()
+            self.since = time.monotonic()
+            if not ok or len(self._results) == self._calls:
+                self._cond.notify()
 
     def wait(self, index: int, timeout: float) -> tuple[bool, Any] | None:
-        """Result `index` (ok, value), or None if it is not there within `timeout` s."""
+        """Result `index` (ok, value), or None if the call that is to give it (or one
+        before it) ran `timeout` s without ending."""
         with self._cond:
-            if self._cond.wait_for(lambda: len(self._results) > index, timeout):
-                return self._results[index]
-        return None
+            while len(self._results) <= index:
+                left = self.since + timeout - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._results[index]
 
 
 def _exception(exc: BaseException) -> RewardOutcome:

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from nexrl.rewards import exact_match, shift_letters
+from nexrl.rewards import runner as runner_module
 from nexrl.rewards.runner import (
     PreparedReward,
     RewardCall,
@@ -252,16 +253,49 @@ def test_async_group_one_loop_with_per_item_failures() -> None:
 
 def test_closing_iter_scores_early_cancels_the_items_not_started() -> None:
     release, calls = threading.Event(), Counter()
-    items = [RewardCall("p", c, row={"hang": c == "bb"}) for c in ("a", "bb", "ccc", "dddd")]
+    rows = {"a": {"fail": True}, "bb": {"hang": True}}
+    items = [RewardCall("p", c, row=rows.get(c, {})) for c in ("a", "bb", "ccc", "dddd")]
     with RewardRunner(_gated(release, calls), timeout_s=5) as runner:
         outcomes = runner.iter_scores(items)
-        assert next(outcomes).reward == 1.0
+        assert next(outcomes).error == "exception"  # a failure comes at once
         while not calls["bb"]:  # the job is inside item "bb"
             time.sleep(0.01)
         outcomes.close()  # as the rollout worker does after a failure
         release.set()
         time.sleep(0.2)
     assert calls == {"a": 1, "bb": 1}
+
+
+class _CountingCondition(threading.Condition):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wakeups = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        woken = super().wait(timeout)
+        self.wakeups += 1
+        return woken
+
+
+def test_a_group_wakes_its_caller_once(monkeypatch) -> None:
+    # a wake-up per result was a thread switch per sample (256 a step by default)
+    conds: list[_CountingCondition] = []
+    init = runner_module._InOrderJob.__init__
+
+    def counting_init(self, calls: int) -> None:
+        init(self, calls)
+        self._cond = _CountingCondition()
+        conds.append(self._cond)
+
+    def slow(prompt, completion, **row):
+        time.sleep(0.005)  # the caller is waiting before each result
+        return float(len(completion))
+
+    monkeypatch.setattr(runner_module._InOrderJob, "__init__", counting_init)
+    with RewardRunner(slow, timeout_s=5) as runner:
+        outs = runner.score_many(_group(16))
+    assert [o.reward for o in outs] == [float(len(c.completion)) for c in _group(16)]
+    assert len(conds) == 1 and conds[0].wakeups == 1
 
 
 @pytest.mark.timeout(30)  # before the fix, the items waited forever
