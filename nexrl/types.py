@@ -159,9 +159,7 @@ class Batch:
 
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], **metadata: Any) -> Batch:
-        keys: list[str] = []
-        for traj in trajectories:
-            keys.extend(k for k in traj if k not in keys)
+        keys = dict.fromkeys(k for traj in trajectories for k in traj)  # first-seen order
         values = {k: [traj.get(k) for traj in trajectories] for k in keys}
         return cls(values=values, metadata={"batch_size": len(trajectories), **metadata})
 

@@ -8,11 +8,13 @@ side's old logprobs and runs the named loss.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -34,31 +36,43 @@ SAMPLE_ROWS = 32  # completions a batch carries for the trackers' sample table (
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded (B, T) tensors: prompt + response, masks and behaviour logprobs.
 
-    Rows are padded as Python lists and become tensors in one call per field: a batch
-    is hundreds of short rows, and per-row tensor ops cost more than the data."""
-    prompts = [list(t["prompt_ids"]) for t in trajectories]
-    responses = [list(t["response_ids"]) for t in trajectories]
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    T = max(lengths)
-    ids, loss, behavior = [], [], []
-    for traj, p, r, n in zip(trajectories, prompts, responses, lengths, strict=True):
-        pad = T - n
-        mask = list(traj.get("loss_mask") or [1.0] * len(r))
-        logprobs = list(traj["response_logprobs"])
-        _check_lengths(traj, len(r), mask, logprobs)
-        ids.append(p + r + [pad_token_id] * pad)
-        loss.append([0.0] * len(p) + mask + [0.0] * pad)
-        behavior.append([0.0] * len(p) + logprobs + [0.0] * pad)
-    attention = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    Every field's values are laid out flat, row after row, and written into the padded
+    array in one masked assignment: a batch is hundreds of short rows, and per-row work
+    (tensor ops, or padding lists) costs more than the data."""
+    prompts = [t["prompt_ids"] for t in trajectories]
+    responses = [t["response_ids"] for t in trajectories]
+    masks, logprobs = [], []
+    for traj, r in zip(trajectories, responses, strict=True):
+        mask = traj.get("loss_mask") or [1.0] * len(r)
+        _check_lengths(traj, len(r), mask, traj["response_logprobs"])
+        masks.append(mask)
+        logprobs.append(traj["response_logprobs"])
+    p_len = np.fromiter(map(len, prompts), np.int64, len(prompts))
+    lengths = p_len + np.fromiter(map(len, responses), np.int64, len(responses))
+    cols = np.arange(int(lengths.max()))
+    valid = cols < lengths[:, None]
+    in_response = valid & (cols >= p_len[:, None])
+    ids = np.full(valid.shape, pad_token_id, dtype=np.int64)
+    ids[valid] = _flat([x for pair in zip(prompts, responses, strict=True) for x in pair], np.int64)
+    loss = np.zeros(valid.shape, dtype=np.float32)
+    loss[in_response] = _flat(masks, np.float32)
+    behavior = np.zeros(valid.shape, dtype=np.float32)
+    behavior[in_response] = _flat(logprobs, np.float32)
     return {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "attention_mask": attention.long(),
-        "loss_mask": torch.tensor(loss, dtype=torch.float32),
-        "behavior_logprobs": torch.tensor(behavior, dtype=torch.float32),
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(valid).long(),
+        "loss_mask": torch.from_numpy(loss),
+        "behavior_logprobs": torch.from_numpy(behavior),
     }
 
 
+def _flat(rows: list, dtype: type) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype)
+
+
 def _check_lengths(traj: Trajectory, n: int, mask: list, logprobs: list) -> None:
+    if len(mask) == n and len(logprobs) == n:
+        return
     for key, values in (("loss_mask", mask), ("response_logprobs", logprobs)):
         if len(values) != n:
             raise ValueError(

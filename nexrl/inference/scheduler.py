@@ -237,14 +237,18 @@ class RunningBatch:
         taken = []
         for k, j in enumerate(rows):
             row, n, out = self.rows[j], lengths[k], ids[k]
+            pending = row.pending
             if aborted[k]:
                 reason = "abort"
-            elif n and (out[-1] in row.pending.stop_ids or row.pending.checker.find(out) >= 0):
+            elif n and (out[-1] in pending.stop_ids or pending.checker.find(out) >= 0):
                 reason = "stop"
             else:
                 reason = "length"
-            stop = row.pending.request.sampling.stop
-            sample = make_output(texts[k], out, lps[k][:n], versions[k][:n], reason, stop)
+            stop = pending.request.sampling.stop
+            if stop:
+                sample = make_output(texts[k], out, lps[k][:n], versions[k][:n], reason, stop)
+            else:
+                sample = GenerationOutput(out, lps[k][:n], versions[k][:n], reason, texts[k])
             taken.append((row, sample))
         return taken
 

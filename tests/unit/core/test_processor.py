@@ -121,3 +121,42 @@ def test_collate_pads_rows_and_names_a_ragged_trajectory() -> None:
     rows[1]["response_logprobs"] = [-1.0]
     with pytest.raises(ValueError, match="uid='b': response_logprobs has 1 entries for 3"):
         collate(rows, pad_token_id=0)
+
+
+def _collate_row_by_row(rows, pad):
+    """The layout `collate` must give, built one row at a time."""
+    width = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    out = {"input_ids": [], "attention_mask": [], "loss_mask": [], "behavior_logprobs": []}
+    for r in rows:
+        p, resp = r["prompt_ids"], r["response_ids"]
+        pad_n = width - len(p) - len(resp)
+        mask = r.get("loss_mask") or [1.0] * len(resp)
+        out["input_ids"].append(p + resp + [pad] * pad_n)
+        out["attention_mask"].append([1] * (len(p) + len(resp)) + [0] * pad_n)
+        out["loss_mask"].append([0.0] * len(p) + [float(m) for m in mask] + [0.0] * pad_n)
+        lps = r["response_logprobs"]
+        out["behavior_logprobs"].append([0.0] * len(p) + lps + [0.0] * pad_n)
+    return out
+
+
+def test_collate_equals_a_row_by_row_layout_on_random_batches():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(40):
+        rows = []
+        for i in range(rng.randrange(1, 30)):
+            resp = [rng.randrange(50) for _ in range(rng.randrange(0, 6))]  # empty ones too
+            row = {
+                "uid": i // 4,
+                "prompt_ids": [rng.randrange(50) for _ in range(rng.randrange(1, 9))],
+                "response_ids": resp,
+                "response_logprobs": [-rng.random() for _ in resp],
+            }
+            if rng.random() < 0.5:
+                row["loss_mask"] = [rng.choice([0, 1]) for _ in resp]
+            rows.append(row)
+        got, want = collate(rows, pad_token_id=7), _collate_row_by_row(rows, 7)
+        assert got["input_ids"].dtype == torch.long and got["loss_mask"].dtype == torch.float32
+        for key, values in want.items():
+            assert torch.equal(got[key], torch.tensor(values, dtype=got[key].dtype)), key
