@@ -380,9 +380,11 @@ class Engine:
             tokens[i, : len(ids) - len(c)] = torch.tensor(ids[len(c) :])
         rows, src = [], []
         for i, p in enumerate(chosen):
-            for k in range(p.request.sampling.n):
-                rows.append(Row(p, k, sample_generator(p.request.sampling.seed, k)))
-                src.append(i)
+            n, seed = p.request.sampling.n, p.request.sampling.seed
+            rows.extend(
+                Row(p, k, None if seed is None else sample_generator(seed, k)) for k in range(n)
+            )
+            src.extend([i] * n)
         first = len(self.batch)
         dst = torch.arange(first, first + len(rows))
         if self.prefix is not None:

@@ -69,7 +69,7 @@ class Pending:
             self.future.set_exception(exc)
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     pending: Pending
     index: int  # sample index within the request
