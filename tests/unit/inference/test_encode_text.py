@@ -59,3 +59,11 @@ def test_a_slow_tokenizer_is_called(tmp_path: Path) -> None:
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "world"]) + "\n")
     slow = BertTokenizer(str(vocab))
     assert encode_text(slow, "hello world") == [2, 4, 5, 3]
+
+
+def test_split_special_tokens_is_honoured(tok) -> None:
+    split = AutoTokenizer.from_pretrained(tok.name_or_path, split_special_tokens=True)
+    text = f"ab{tok.all_special_tokens[0]}cd"
+    first = encode_text(split, text)  # the backend has not been told yet: the call path
+    assert first == call_ids(split, text) == encode_text(split, text)
+    assert first != encode_text(tok, text)  # split: the special token is not one id
