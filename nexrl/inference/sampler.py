@@ -133,6 +133,11 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, 
     Blocks are summed in fp32 (256 terms: a relative error near 1e-7 of the block's own
     mass), their cumulative sum in float64, so that rare tokens keep their mass."""
     b, v = weights.shape
+    if v <= CDF_BLOCK:  # one block (a small vocabulary): the token level alone
+        cdf = weights.double().cumsum(-1)
+        total = cdf[:, -1:]
+        k = torch.searchsorted(cdf, u[:, 1:] * total).clamp_(max=v - 1)
+        return k.squeeze(1), total.squeeze(1)
     n_blocks = -(-v // CDF_BLOCK)
     if n_blocks * CDF_BLOCK != v:
         weights = torch.nn.functional.pad(weights, (0, n_blocks * CDF_BLOCK - v))

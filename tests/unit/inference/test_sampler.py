@@ -71,3 +71,40 @@ def test_untruncated_logprobs_equal_log_softmax_at_every_temperature() -> None:
     want = torch.log_softmax(logits / scale, -1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=0)
     assert tokens[3] == logits[3].argmax()
+
+
+def test_a_one_block_vocabulary_draws_as_the_two_level_sampler() -> None:
+    # vocabularies up to CDF_BLOCK skip the block level; zero-padding the same weights
+    # past one block takes the two-level path, which must pick the same tokens
+    gen = torch.Generator().manual_seed(1)
+    for vocab in (1, 58, CDF_BLOCK):
+        weights = (torch.randn(512, vocab, generator=gen) * 3).exp()
+        if vocab > 2:
+            weights[:, 0] = 0.0  # an excluded first token
+            weights[::2, -1] = 0.0  # and an excluded last one
+        weights[0] = 0.0
+        weights[0, vocab - 1] = 1.0  # a row whose only token is the last
+        u = 1.0 - torch.rand(512, 2, dtype=torch.float64, generator=gen)
+        u[:2] = torch.tensor([[1.0, 1.0], [1e-12, 1e-12]], dtype=torch.float64)  # the ends
+        padded = torch.nn.functional.pad(weights, (0, CDF_BLOCK + 1 - vocab))
+        tokens, mass = _inverse_cdf(weights, u)
+        want_tokens, want_mass = _inverse_cdf(padded, u)
+        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(mass, want_mass, rtol=1e-6, atol=0)
+        assert tokens.max() < vocab and (weights.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_a_small_vocabulary_matches_its_distribution_and_logprobs() -> None:
+    torch.manual_seed(2)
+    vocab, n = 58, 200_000
+    logits = torch.randn(vocab) * 2
+    logits[7] = float("-inf")
+    ones, k = torch.ones(n), torch.zeros(n, dtype=torch.long)
+    kinds = SampleKinds(greedy=False, tempered=False, truncated=False)
+    tokens, logprobs = sample_next(logits.expand(n, vocab), ones, ones, k, None, None, kinds)
+    logp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(logprobs, logp[tokens], atol=1e-5, rtol=0)
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    p = logp.exp().double()
+    assert freq[7] == 0
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-6).all()
