@@ -7,7 +7,8 @@ numbers from a private `torch.Generator` (one small call per seeded row), which
 makes "same seed, same output" hold whatever else shares the batch.
 
 Sampling is by inverse CDF in two levels (`_inverse_cdf`): pick a block of
-`CDF_BLOCK` tokens by the blocks' probability mass, then a token inside it, each
+`CDF_BLOCK` tokens by the blocks' probability mass, then a token inside it (a
+vocabulary of one block goes straight to the token), each
 with one uniform number and a float64 cumulative sum. It is exact (no fp32
 cumsum over the whole vocabulary, whose rounding would shift the mass of rare
 tokens) and needs 2 random numbers per row instead of one per vocabulary entry:
