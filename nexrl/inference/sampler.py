@@ -234,9 +234,10 @@ def make_output(
 ) -> GenerationOutput:
     """Build a `GenerationOutput` from the decoded `text`; the text is cut before the first
     stop string, ids are not."""
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    if hits:
-        text = text[: min(hits)]
+    if stop:
+        hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+        if hits:
+            text = text[: min(hits)]
     return GenerationOutput(ids, logprobs, versions, finish_reason, text)
 
 

@@ -245,10 +245,7 @@ class RunningBatch:
             else:
                 reason = "length"
             stop = pending.request.sampling.stop
-            if stop:
-                sample = make_output(texts[k], out, lps[k][:n], versions[k][:n], reason, stop)
-            else:
-                sample = GenerationOutput(out, lps[k][:n], versions[k][:n], reason, texts[k])
+            sample = make_output(texts[k], out, lps[k][:n], versions[k][:n], reason, stop)
             taken.append((row, sample))
         return taken
 
