@@ -5,8 +5,8 @@ loss, backward, AdamW step (no clipping, no metrics, no micro-batching). The eng
 runs `train_batch` with the PPO-clip loss through `compute_loss`, so the ratio is the
 price of everything the engine adds. The two are interleaved round by round so that
 load from other processes on a shared machine hits both alike.
-On a GPU both sides use the engine's autocast (bf16 by default) and the clock is read
-after the GPU is done.
+On a GPU both sides use the engine's autocast for the batch (`dtype: auto`: bf16 from 1e11
+FLOPs, fp32 below) and the clock is read after the GPU is done.
 
     python benchmarks/bench_training.py [--batch 16 --seq 128 --rounds 5 --steps 3]
     python benchmarks/bench_training.py --smoke   # seconds: tiny sizes, same code path
@@ -135,12 +135,14 @@ def main(argv: list[str] | None = None) -> float:
     def run_engine():
         engine.train_batch(batch, "ppo_clip", PPO)
 
-    # the engine's mixed precision (bf16 autocast on a GPU by default), the bare loop's too
-    autocast = engine.autocast_dtype is not None
+    # the engine's mixed precision (bf16 autocast on a GPU for a batch this size by
+    # default), the bare loop's too
+    dtype = engine.autocast_dtype(args.batch * args.seq)
+    autocast = dtype is not None
     bare_args = [v[k] for k in ("input_ids", "attention_mask", "loss_mask", "advantages")]
 
     def run_bare():
-        with torch.autocast(engine.device.type, dtype=engine.autocast_dtype, enabled=autocast):
+        with torch.autocast(engine.device.type, dtype=dtype, enabled=autocast):
             bare_step(model, opt, *bare_args)
 
     def run_old_logprobs():  # the pass an on-policy engine can skip (docs/performance.md)
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> float:
     lines = [
         f"device: {engine.device}  threads: {args.threads}  model: hidden {args.hidden} x "
         f"{args.layers} layers  batch: {args.batch} x {args.seq}  "
-        f"autocast: {engine.autocast_dtype or 'off'}",
+        f"autocast: {dtype or 'off'}",
         f"engine_tokens_per_s: {tokens / t_engine:.1f}",
         f"bare_loop_tokens_per_s: {tokens / t_bare:.1f}",
         f"old_logprob_pass_vs_train_step: {t_old / t_engine:.3f}",

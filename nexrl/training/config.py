@@ -54,8 +54,10 @@ class EngineConfig:
     "flash_attention_2"/"flash_attention_3"): with sdpa/eager a packed sequence needs a dense
     block-diagonal mask, quadratic in the packed length, which costs more than padding."""
     dtype: str = "auto"
-    """Compute dtype: "auto" is float32 on CPU and bfloat16 autocast on GPU. Master weights
-    and optimizer state stay float32."""
+    """Compute dtype: "auto" is float32 on CPU; on GPU, bfloat16 autocast for a micro-batch
+    of at least 1e11 FLOPs of forward + backward (6 x parameters x tokens), float32 below
+    (a small model's casts cost more than they save). Master weights and optimizer state
+    stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (HF gradient checkpointing) to save memory."""
     logprob_chunk_tokens: int = 1024

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from nexrl.training.config import EngineConfig
 from nexrl.training.microbatch import split_by_tokens
 from nexrl.training.synthetic import random_batch
-from nexrl.training.torch_engine import TorchTrainEngine
+from nexrl.training.torch_engine import GPU_AUTOCAST_FLOPS, TorchTrainEngine, autocast_for
 
 PPO = {"clip_low": 0.2, "clip_high": 0.28}
 
@@ -195,3 +197,33 @@ def test_bfloat16_autocast_runs_and_stays_close(tiny_model):
     lp = engine.compute_logprobs(batch)
     assert lp.dtype == torch.float32 and (lp - fp32).abs().max() < 0.1
     assert torch.isfinite(torch.tensor(engine.train_batch(batch, "ppo_clip", PPO)["loss"]))
+
+
+def test_auto_dtype_autocasts_on_a_gpu_only_where_the_arithmetic_pays():
+    """`dtype: auto` is bfloat16 autocast on a GPU from GPU_AUTOCAST_FLOPS of forward +
+    backward arithmetic on, float32 below it (a small model's casts cost more than they
+    save) and on a CPU; an explicit dtype holds at any size. The rule reads the device's
+    type only, so it is checked on a CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert autocast_for("auto", cuda, GPU_AUTOCAST_FLOPS) is torch.bfloat16
+    assert autocast_for("auto", cuda, GPU_AUTOCAST_FLOPS - 1) is None
+    assert autocast_for("auto", cpu, 1e18) is None
+    assert autocast_for("bfloat16", cuda, 1.0) is torch.bfloat16
+    assert autocast_for("float16", cpu, 1.0) is torch.float16
+    assert autocast_for("float32", cuda, 1e18) is None
+
+
+def test_auto_dtype_decides_by_the_micro_batch_tokens(tiny_model, monkeypatch):
+    """The forward runs under the dtype chosen for its micro-batch's real tokens."""
+    engine = TorchTrainEngine({}, tiny_model)
+    batch = random_batch(4, 10, seed=15)
+    seen: list[int] = []
+    monkeypatch.setattr(engine, "autocast_dtype", lambda tokens: seen.append(tokens))
+    engine.compute_logprobs(batch)
+    assert seen == [int(batch.values["attention_mask"].sum())]
+    engine.device = torch.device("cuda")  # the rule only: nothing runs on it
+    monkeypatch.undo()
+    tokens = 100
+    engine._n_params = math.ceil(GPU_AUTOCAST_FLOPS / (6 * tokens))
+    assert engine.autocast_dtype(tokens) is torch.bfloat16
+    assert engine.autocast_dtype(tokens - 1) is None
