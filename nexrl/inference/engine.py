@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from nexrl.inference.model_runner import ModelRunner, is_supported, plan_kv_cache
-from nexrl.inference.prefix_cache import PrefixCache
+from nexrl.inference.prefix_cache import MIN_SHARED_TOKENS, PrefixCache
 from nexrl.inference.protocol import (
     GenerationOutput,
     GenerationRequest,
@@ -390,15 +390,22 @@ class Engine:
         if self.prefix is not None:
             self.prefix.load(self.runner, [(first + j, cached[i]) for j, i in enumerate(src)])
         logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst, start)  # (R, V)
-        if self.prefix is not None:  # row of the first sample of each prompt
-            rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
-            items = [(ids, rep[i], None) for i, ids in enumerate(prompts)]
-            for p, anchor in zip(chosen, self.prefix.insert(self.runner, items), strict=True):
-                p.prefix_anchor = anchor  # its samples' inserts start there
+        if self.prefix is not None:
+            self._cache_prompts(chosen, src, first)
         idx = self.batch.add_rows(rows, [len(prompts[i]) for i in src])
         self._sample_and_record(
             idx, logits.index_select(0, to_device(torch.tensor(src), logits.device))
         )
+
+    def _cache_prompts(self, chosen: list[Pending], src: list[int], first: int) -> None:
+        """Put the wave's prompts longer than `MIN_SHARED_TOKENS` in the prefix cache, each
+        from the cache row of its first sample. A shorter one is not worth its copy: a hit
+        would save at most that many prefill tokens."""
+        rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
+        long = [i for i, p in enumerate(chosen) if len(p.request.input_ids) > MIN_SHARED_TOKENS]
+        items = [(chosen[i].request.input_ids, rep[i], None) for i in long]
+        for i, anchor in zip(long, self.prefix.insert(self.runner, items), strict=True):
+            chosen[i].prefix_anchor = anchor  # its samples' inserts start there
 
     def _finish(self) -> None:
         finished = self.batch.finished_rows()

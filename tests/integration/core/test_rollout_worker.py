@@ -4,6 +4,7 @@ import pytest
 
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.inference.client import LLMServiceClient
+from nexrl.inference.prefix_cache import MIN_SHARED_TOKENS
 from nexrl.rewards import shift_letters
 from nexrl.types import Task
 from tests.rollout_parts import build_rollout_side, context
@@ -30,10 +31,13 @@ def test_group_reaches_the_pool_with_engine_tokens(client):
 
 
 def test_single_turn_groups_leave_their_replies_out_of_the_prefix_cache(client):
-    """No next turn quotes a single-turn reply: only the prompt is cached."""
-    items = [{"prompt": "wxyz>", "answer": "xyza", "uid": "u9"}]
+    """No next turn quotes a single-turn reply: only the prompt is cached (one longer
+    than MIN_SHARED_TOKENS: a shorter one is not worth caching)."""
+    text = "wxyzabcdefghijklmnop>"
+    items = [{"prompt": text, "answer": "xyzabcdefghijklmnopq", "uid": "u9"}]
     side = build_rollout_side(client, items, shift_letters)
-    cache, prompt_ids = client._engine.prefix, client.tokenizer("wxyz>")["input_ids"]
+    cache, prompt_ids = client._engine.prefix, client.tokenizer(text)["input_ids"]
+    assert len(prompt_ids) > MIN_SHARED_TOKENS
     before, known = cache.stats["cached_tokens"], cache.cached_length(prompt_ids)
     assert side.worker._loop_once()
     assert side.pool.get_batch().values["prompt_ids"][0] == prompt_ids

@@ -29,7 +29,7 @@ def test_process_engine_matches_in_process(tiny_path, other_weights_path):
         assert eng.version == 1 and after.outputs[0].output_versions == [1] * len(
             after.outputs[0].output_ids
         )
-        turn1 = [9, 10, 11, 12]  # a reply left out of the child's prefix cache
+        turn1 = list(range(9, 29))  # a reply left out of the child's prefix cache
         one = GenerationRequest(turn1, SamplingParams(max_new_tokens=3), cache_output=False)
         reply = eng.generate(one).outputs[0].output_ids
         hits = eng.stats["prefix_hit_tokens"]

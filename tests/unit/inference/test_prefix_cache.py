@@ -110,6 +110,23 @@ def test_multi_turn_prompt_reads_the_earlier_turn_and_its_reply(tiny_path, plain
         engine.shutdown()
 
 
+@pytest.mark.parametrize("length", [MIN_SHARED_TOKENS, MIN_SHARED_TOKENS + 1])
+def test_a_prompt_is_cached_only_past_min_shared_tokens(tiny_path, length):
+    """A hit on a prompt of at most MIN_SHARED_TOKENS tokens would save no more prefill
+    than that: it is not copied into the cache, and a later request quoting it reads
+    nothing; one token longer, it is cached and read back."""
+    prompt = list(range(3, 3 + length))
+    engine = Engine(tiny_path, max_batch_size=8, prefix_cache_gib=0.01)
+    try:
+        engine.generate(GenerationRequest(prompt, _params(1, 0.0, 0), cache_output=False))
+        cached = engine.prefix.stats["cached_tokens"]
+        assert cached == (0 if length <= MIN_SHARED_TOKENS else length)
+        _run(engine, [prompt + [40]])
+        assert engine.stats["prefix_hit_tokens"] == cached
+    finally:
+        engine.shutdown()
+
+
 def test_sample_spanning_a_weight_update_is_not_cached(tiny_path, other_weights_path):
     prompt = _chats(1, seed=4)[0]
     engine = Engine(
