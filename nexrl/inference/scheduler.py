@@ -88,6 +88,14 @@ _KINDS: dict[str, Callable[[Pending], bool]] = {
 }
 
 
+def _runs(rows: list[Row]) -> list[tuple[Pending, int]]:
+    """(request, number of rows) for each run of consecutive rows of one request."""
+    return [
+        (run[0].pending, len(run))
+        for run in (list(g) for _, g in itertools.groupby(rows, key=lambda r: id(r.pending)))
+    ]
+
+
 class RunningBatch:
     """Dense per-row state of the running samples (see module docstring)."""
 
@@ -137,42 +145,52 @@ class RunningBatch:
         ]
 
     def add_rows(self, rows: list[Row], prompt_lens: list[int]) -> slice:
-        """Append rows (prefilled elsewhere); returns their row range."""
+        """Append rows (prefilled elsewhere; a request's rows side by side); returns their
+        row range. Each request's settings are read once and spread over its rows."""
         start = len(self.rows)
         idx = slice(start, start + len(rows))
-        width = max(len(r.pending.stop_ids) for r in rows)
+        runs = _runs(rows)
+        width = max(len(p.stop_ids) for p, _ in runs)
         if width > self.stop_ids.shape[1]:
             extra = width - self.stop_ids.shape[1]
             pad = torch.full((self.max_slots, extra), -1, dtype=torch.long, device=self.pos.device)
             self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
-        params = [r.pending.request.sampling for r in rows]
+        params = [p.request.sampling for p, _ in runs]
+        counts = torch.tensor([n for _, n in runs])
         dev = self.pos.device
+
+        def spread(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=dtype).repeat_interleave(counts, 0), dev)
+
         plens = to_device(torch.tensor(prompt_lens), dev)
-        wanted = to_device(torch.tensor([p.max_new_tokens for p in params]), dev)
+        wanted = spread([p.max_new_tokens for p in params], torch.long)
         self.max_gen[idx] = torch.minimum(wanted, self.max_len - plens)
         self.pos[idx] = plens - 1
         if self.host_pos is not self.pos:
             self.host_pos[idx] = torch.tensor(prompt_lens) - 1
-        self.temp[idx] = to_device(torch.tensor([float(p.temperature) for p in params]), dev)
-        self.top_p[idx] = to_device(torch.tensor([float(p.top_p) for p in params]), dev)
-        self.top_k[idx] = to_device(torch.tensor([p.top_k for p in params]), dev)
-        stops = [r.pending.stop_ids for r in rows]
-        grid = [ids + [-1] * (self.stop_ids.shape[1] - len(ids)) for ids in stops]
-        self.stop_ids[idx] = to_device(torch.tensor(grid, dtype=torch.long), dev)
+        self.temp[idx] = spread([float(p.temperature) for p in params], torch.float32)
+        self.top_p[idx] = spread([float(p.top_p) for p in params], torch.float32)
+        self.top_k[idx] = spread([p.top_k for p in params], torch.long)
+        pad_to = self.stop_ids.shape[1]
+        self.stop_ids[idx] = spread(
+            [p.stop_ids + [-1] * (pad_to - len(p.stop_ids)) for p, _ in runs], torch.long
+        )
         self.n_gen[idx] = 0
         self.abort[idx] = False
         self.rows.extend(rows)
-        self._count(rows, +1)
+        self._count_runs(runs, +1)
         return idx
 
     def _count(self, rows: list[Row], sign: int) -> None:
-        """Add (`sign` 1) or take away (-1) `rows` in the kind counts, testing each run of
-        rows of one request once."""
-        for _, run in itertools.groupby(rows, key=lambda r: id(r.pending)):
-            same = list(run)
+        """Add (`sign` 1) or take away (-1) `rows` in the kind counts."""
+        self._count_runs(_runs(rows), sign)
+
+    def _count_runs(self, runs: list[tuple[Pending, int]], sign: int) -> None:
+        """The kind counts of (request, rows) runs: each request tested once."""
+        for pending, n in runs:
             for kind, test in _KINDS.items():
-                if test(same[0].pending):
-                    self.counts[kind] += sign * len(same)
+                if test(pending):
+                    self.counts[kind] += sign * n
 
     def generators(self, rows: slice) -> dict[int, torch.Generator]:
         """Private generators by position in the row range `rows`."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from concurrent.futures import Future
 
+import pytest
+
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
 from nexrl.inference.sampler import StopChecker, sample_generator
 from nexrl.inference.scheduler import _KINDS, Pending, Row, RunningBatch
@@ -44,3 +46,29 @@ def test_kind_counts_follow_adds_and_compactions():
         assert batch.counts == _by_row(batch.rows)
         seeded = sum(r.generator is not None for r in batch.rows)
         assert batch.counts["seeded"] == seeded  # a seeded request's rows carry generators
+
+
+def test_added_rows_carry_their_own_requests_settings():
+    """Each request's settings are read once and spread over its rows: every row ends up
+    with its own request's limits, sampling settings and stop ids (padded with -1 to the
+    widest), through adds of requests with different settings and stop-id widths."""
+    rng = random.Random(1)
+    batch = RunningBatch(64, 16)
+    for _ in range(30):
+        if batch.free < 8:
+            batch.compact(rng.sample(range(len(batch.rows)), rng.randint(1, len(batch.rows))))
+        rows = [r for _ in range(rng.randint(1, 3)) for r in _request_rows(rng)]
+        for r in rows:  # stop-id widths differ by request
+            r.pending.stop_ids = r.pending.stop_ids[:1] * (id(r.pending) % 3 + 1)
+        lens = [rng.randint(2, 14) for _ in rows]
+        idx = batch.add_rows(rows, lens)
+        for j, row, plen in zip(range(idx.start, idx.stop), rows, lens, strict=True):
+            s = row.pending.request.sampling
+            assert int(batch.max_gen[j]) == min(s.max_new_tokens, 16 - plen)
+            assert int(batch.pos[j]) == plen - 1 and int(batch.n_gen[j]) == 0
+            assert float(batch.temp[j]) == pytest.approx(s.temperature)
+            assert float(batch.top_p[j]) == pytest.approx(s.top_p)
+            assert int(batch.top_k[j]) == s.top_k
+            stops = batch.stop_ids[j].tolist()
+            width = len(row.pending.stop_ids)
+            assert stops[:width] == row.pending.stop_ids and set(stops[width:]) <= {-1}
