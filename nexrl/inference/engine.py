@@ -401,8 +401,10 @@ class Engine:
         """Put the wave's prompts longer than `MIN_SHARED_TOKENS` in the prefix cache, each
         from the cache row of its first sample. A shorter one is not worth its copy: a hit
         would save at most that many prefill tokens."""
-        rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
         long = [i for i, p in enumerate(chosen) if len(p.request.input_ids) > MIN_SHARED_TOKENS]
+        if not long:
+            return
+        rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
         items = [(chosen[i].request.input_ids, rep[i], None) for i in long]
         for i, anchor in zip(long, self.prefix.insert(self.runner, items), strict=True):
             chosen[i].prefix_anchor = anchor  # its samples' inserts start there
