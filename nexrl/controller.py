@@ -45,10 +45,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from nexrl.distributed.recovery import (
     ActorRestartedError,
@@ -68,6 +67,7 @@ from nexrl.run_setup import (
     resolve_run_config,
 )
 from nexrl.system import LocalSystem, ModuleSystem
+from nexrl.training import trainer_spare
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
 
 logger = logging.getLogger(__name__)
@@ -82,19 +82,6 @@ def build_system(cfg: DictConfig) -> ModuleSystem:
     return LocalSystem(cfg)
 
 
-def _prestart_trainer(cfg: DictConfig) -> Callable[[], None] | None:
-    """With the trainer in a child process of this one, spawn it now: its imports overlap
-    the building of the run (`process_engine.prestart`). Returns what stops it if the
-    run fails to build, or None."""
-    backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
-    if OmegaConf.select(cfg, "launch_mode", default="local") != "local" or backend != "process":
-        return None
-    from nexrl.training import process_engine
-
-    process_engine.prestart()
-    return process_engine.discard_spare
-
-
 class TrainingAborted(RuntimeError):
     """The error policy stopped the run, or a module died."""
 
@@ -103,14 +90,15 @@ class NexRLController:
     def __init__(self, config: DictConfig) -> None:
         release_freed_memory()  # what earlier runs in this process freed
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
-        discard_trainer = _prestart_trainer(config)
+        # a trainer in a child process: its imports overlap the building of the run
+        prestarted = trainer_spare.prestart_for(config)
         try:
             with collector_paused():
                 self._config = resolve_run_config(config)
                 self.system = build_system(self._config)
         except BaseException:
-            if discard_trainer is not None:
-                discard_trainer()
+            if prestarted:
+                trainer_spare.discard_spare()
             raise
         self.run_dir = self._config.run_dir
         self.activity_tracker = self.system.activity_tracker

@@ -59,6 +59,7 @@ SMOKE_LINES = {
     "bench_rewards.py": "math",
     "bench_ray.py": "ray_vs_local_wallclock:",
     "bench_validation.py": "validation_concurrency_speedup:",
+    "bench_startup.py": "process_vs_builtin_first_step:",
 }
 
 
@@ -69,7 +70,14 @@ def test_every_benchmark_has_a_smoke_test() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script", ["bench_training.py", "bench_generation.py", "bench_async.py", "bench_validation.py"]
+    "script",
+    [
+        "bench_training.py",
+        "bench_generation.py",
+        "bench_async.py",
+        "bench_validation.py",
+        "bench_startup.py",
+    ],
 )
 def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:  # bench_e2e.py: below
     before = {p: p.stat().st_mtime for p in (BENCH / "results").glob("*")}

@@ -9,8 +9,9 @@ it exports weights to files and pushes them over HTTP; here the weights cross
 through one file mapped by both processes (in /dev/shm when it has room).
 
 Start-up: the child imports torch, transformers and the engine first, then takes
-its config (the one pickled message: both ends are this code). `prestart()` spawns
-one ahead, so those imports run while the parent builds the rest of the run.
+its config (the one pickled message: both ends are this code). `nexrl train` and the
+controller spawn one ahead (nexrl/training/trainer_spare.py), so those imports run
+while the parent imports and builds the rest of the run.
 
 Wire: one pipe, one call at a time. Each message is `wire.pack` bytes: the
 tensors of a batch or of a result, plus JSON arguments.
@@ -27,7 +28,6 @@ then names the buffer file and its layout whenever they are new) and shutdown.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -39,7 +39,7 @@ import torch
 
 from nexrl.inference.health import describe_exit
 from nexrl.run_setup import collector_paused, freeze_setup_heap
-from nexrl.training import wire
+from nexrl.training import trainer_spare, wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
 
@@ -57,7 +57,7 @@ class ProcessTrainEngine:
     its optimizer state would be lost; resume from a checkpoint instead."""
 
     def __init__(self, config: EngineConfig, model_path: str, threads: int | None = None) -> None:
-        self._proc, self._conn = _take_spare() or _spawn()
+        self._proc, self._conn = trainer_spare.take_spare() or trainer_spare.spawn()
         self._lock = threading.Lock()
         self._step = 0
         self._views: dict[str, torch.Tensor] = {}  # name -> its tensor in the shared buffer
@@ -165,51 +165,6 @@ class ProcessTrainEngine:
 
 
 # -- the child -----------------------------------------------------------------------------
-def _spawn() -> tuple[Any, Any]:
-    """A new child (process, connection); it imports the engine, then waits for its config."""
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=child_main, args=(child_conn,), name="nexrl-trainer", daemon=True)
-    proc.start()
-    child_conn.close()
-    return proc, conn
-
-
-_spare: tuple[Any, Any] | None = None  # a child spawned ahead by `prestart`
-_spare_lock = threading.Lock()
-
-
-def prestart() -> None:
-    """Spawn a child now for the next `ProcessTrainEngine` to take. Its start-up is mostly
-    imports (torch, transformers: 5-7 s on 2 CPU cores), which then run while this process
-    builds the rest of the run (the controller calls this first thing)."""
-    global _spare
-    with _spare_lock:
-        if _spare is None:
-            _spare = _spawn()
-
-
-def discard_spare() -> None:
-    """Stop a child that `prestart` spawned and no engine took (a run that failed early)."""
-    spare = _take_spare()
-    if spare is not None:  # it holds nothing yet: no need to wait for its imports
-        proc, conn = spare
-        conn.close()
-        proc.kill()
-        proc.join(timeout=10)
-
-
-def _take_spare() -> tuple[Any, Any] | None:
-    """The spare child, if one is waiting (a dead one is dropped)."""
-    global _spare
-    with _spare_lock:
-        spare, _spare = _spare, None
-    if spare is not None and not spare[0].is_alive():
-        spare[1].close()
-        return None
-    return spare
-
-
 def child_main(conn: Any) -> None:
     """Import the engine, take its config from the pipe, build it and say so; then answer
     calls until told to stop or the pipe closes."""

@@ -170,3 +170,36 @@ def test_quickstart_reward_module_in_the_current_folder_local_mode(tmp_path) -> 
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "called").read_text() == "yes"
+
+
+def test_train_spawns_the_trainer_child_before_importing_the_run(tmp_path) -> None:
+    """With `backend=process`, `nexrl train` spawns the trainer child before it imports
+    the controller and the model libraries (their imports then overlap the child's);
+    a run that fails to build stops that child."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from nexrl import cli
+        from nexrl.training import trainer_spare
+
+        spawn = trainer_spare.spawn
+        def traced():
+            loaded = [m for m in ("nexrl.controller", "transformers") if m in sys.modules]
+            print("loaded at spawn:", loaded, flush=True)
+            trainer_spare.spawned = spawn()
+            return trainer_spare.spawned
+        trainer_spare.spawn = traced
+        code = cli.main(["train", "service.train_service.backend=process",
+                         "model_path={tmp_path / "nowhere"}", "output_dir={tmp_path / "out"}"])
+        proc = trainer_spare.spawned[0]
+        proc.join(timeout=10)
+        print("exit", code, "child alive", proc.is_alive(), "spare", trainer_spare._spare)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded at spawn: []" in proc.stdout
+    assert "exit 2 child alive False spare None" in proc.stdout
+    assert "nowhere" in proc.stderr
