@@ -11,6 +11,8 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def cpu_model() -> str:
@@ -65,3 +67,17 @@ def describe() -> str:
     gpu = f", GPU: {m['gpu']}" if m["gpu"] else ""
     flags = f" ({' '.join(m['flags'])})" if m["flags"] else ""
     return f"Machine: {m['cpu']}{flags}, {m['cores']} cores{gpu}\n\nCommand: `{command()}`\n"
+
+
+def section_head(suffix: str = "") -> list[str]:
+    """The first lines of a results section: its UTC time (and `suffix`), then `describe()`."""
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return [f"## {stamp}{suffix}", "", describe()]
+
+
+def prepend_section(path: Path, title: str, lines: list[str]) -> None:
+    """Put `lines` under `title` at the top of the Markdown file `path` (newest run first);
+    the sections already there stay below."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
+    path.write_text("\n".join([title, "", *lines, earlier]))

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import describe
+from _machine import prepend_section, section_head
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nexrl.config import load_config
@@ -371,13 +371,9 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def write(
     path: Path, results: dict[str, dict[str, Any]], ratios: dict[str, Any], seeds: int
 ) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
     lines = [
-        f"## {stamp}",
-        "",
-        describe(),
+        *section_head(),
         f"Load average at the end: {load}. torch threads: 1. Runs per side: {seeds}"
         " (figures: medians over them).",
         "",
@@ -395,9 +391,7 @@ def write(
         )
     lines += ["", *(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items())]
     lines += [*per_seed_lines(results), ""]
-    # newest run first, under the title; earlier runs stay below
-    earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
-    path.write_text("\n".join([TITLE, "", *lines, earlier]))
+    prepend_section(path, TITLE, lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _machine import describe
+from _machine import prepend_section, section_head
 
 TITLE = "# Start-up: from launching `nexrl train` to its first step"
 LAUNCH = "import sys; from nexrl.cli import main; sys.exit(main())"  # what `nexrl` runs
@@ -100,11 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
 
 def write(path: Path, results: dict, runs: dict, ratio: float) -> None:
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
-        f"## {stamp}",
-        "",
-        describe(),
+        *section_head(),
         f"Runs per backend: {len(runs['builtin'])}, alternated (figures: medians).",
         "",
         "| trainer backend | launch to first step's start s | to its end s | to exit s "
@@ -118,9 +115,7 @@ def write(path: Path, results: dict, runs: dict, ratio: float) -> None:
             f"{r['exit']:.2f} | {each} |"
         )
     lines += ["", f"- process_vs_builtin_first_step: {ratio:.3f}", ""]
-    earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join([TITLE, "", *lines, earlier]))
+    prepend_section(path, TITLE, lines)
 
 
 if __name__ == "__main__":

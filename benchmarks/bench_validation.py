@@ -28,12 +28,11 @@ import logging
 import multiprocessing
 import statistics
 import tempfile
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from _machine import describe
+from _machine import prepend_section, section_head
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
@@ -120,11 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def write(path: Path, config_name: str, medians, ratios, repeats: int) -> None:
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
-        f"## {stamp}, config `{config_name}`",
-        "",
-        describe(),
+        *section_head(f", config `{config_name}`"),
         f"torch threads: 1. Runs per side: {repeats}, alternated (figures: medians).",
         "",
         "| side | first validation s | final validation s |",
@@ -134,9 +130,7 @@ def write(path: Path, config_name: str, medians, ratios, repeats: int) -> None:
         *(f"- {k}: {v:.2f}" for k, v in ratios.items()),
         "",
     ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
-    path.write_text("\n".join([TITLE, "", *lines, earlier]))
+    prepend_section(path, TITLE, lines)
 
 
 if __name__ == "__main__":
