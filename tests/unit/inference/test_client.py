@@ -105,3 +105,34 @@ def test_sampling_from_kwargs_and_bad_backend():
     assert (p.max_new_tokens, p.stop, p.top_k, p.n, p.seed) == (7, ["x"], 5, 2, 1)
     with pytest.raises(ValueError, match="backend"):
         LLMServiceClient({"backend": "tgi"})
+
+
+def test_a_local_engine_client_never_imports_the_openai_sdk():
+    """The HTTP clients' errors are retried only for a remote engine, so a local run
+    does not pay the openai SDK's import at start-up."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from nexrl.inference.client import LLMServiceClient\n"
+        "client = LLMServiceClient({'backend': 'builtin'}, engine=object())\n"
+        "assert not client._retryer.retry.predicate(RuntimeError('engine'))\n"
+        "assert client._retryer.retry.predicate(ConnectionError('engine'))\n"
+        "print('openai' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
+def test_a_remote_client_retries_the_openai_sdks_transient_errors():
+    import httpx
+    import openai
+
+    client = LLMServiceClient({"backend": "remote", "url": "http://127.0.0.1:9"})
+    retry = client._retryer.retry.predicate
+    request = httpx.Request("POST", "http://127.0.0.1:9")
+    assert retry(openai.APIConnectionError(request=request))
+    assert retry(httpx.ConnectError("refused"))
+    assert not retry(ValueError("bad request"))
