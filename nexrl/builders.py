@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from nexrl.config.derived import groups_per_batch, weights_in_memory
 from nexrl.registry import Registry
 from nexrl.types import NexRLRole
 
@@ -125,37 +126,6 @@ def build_train_worker(cfg: DictConfig, client: Any = None) -> Any:
         sync_weight_path=cfg.train_worker.sync_weight_path,
         weights_in_memory=weights_in_memory(cfg),
     )
-
-
-def weights_in_memory(cfg: DictConfig) -> bool:
-    """Whether pushed weights reach the engine as tensors rather than files
-    (`weight.transport`). The engine must run in the weight-sync controller's process
-    (an in-process inference backend, no inference replicas) and the trainer must be
-    the built-in one (here or in its child process): in local mode the state dict is
-    handed over by reference, in Ray mode it travels in the push call (Ray's object
-    store) to the rollout actor."""
-    from nexrl.inference.factory import LOCAL_BACKENDS
-
-    transport = cfg.weight.get("transport", "auto")
-    replicas = OmegaConf.select(cfg, "ray.inference_replicas.bundles_per_node", default=None)
-    possible = (
-        cfg.service.inference_service.backend in LOCAL_BACKENDS
-        and cfg.service.train_service.backend in ("builtin", "process")
-        and not (cfg.launch_mode == "ray" and replicas)
-    )
-    if transport == "memory" and not possible:
-        raise ValueError(
-            "weight.transport=memory needs the trainer built in "
-            "(service.train_service.backend builtin or process) and the engine in the weight-sync "
-            f"controller's process (service.inference_service.backend one of {LOCAL_BACKENDS}, "
-            "no ray.inference_replicas); use file or auto"
-        )
-    return transport != "file" and possible
-
-
-def groups_per_batch(cfg: DictConfig) -> int:
-    """Rollout groups (tasks) per train batch: what admission counts in."""
-    return max(1, cfg.trajectory_pool.batch_size // max(1, cfg.trajectory_pool.group_size))
 
 
 def inflight_capable(cfg: DictConfig) -> bool:

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from nexrl.config.derived import groups_per_batch, weights_in_memory
 from nexrl.config.schema import CHOICES, RLTrainConfig
 from nexrl.config.suggest import ConfigError, check_known_keys, explain_unknown_key
 
@@ -60,8 +61,6 @@ def validate_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
-    from nexrl.builders import weights_in_memory
-
     try:
         weights_in_memory(cfg)  # weight.transport=memory where it cannot work
     except ValueError as exc:
@@ -80,8 +79,6 @@ def warn_serial_groups(cfg: DictConfig) -> None:
     """Warn when a train batch's groups cannot all be generating at once: each rollout
     worker runs one group at a time, so fewer workers than groups per batch send a step's
     prompts to the engine in rounds instead of one batch."""
-    from nexrl.builders import groups_per_batch
-
     groups, workers = groups_per_batch(cfg), cfg.rollout_worker.num_workers
     if workers < groups:
         logger.warning(

@@ -24,9 +24,10 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from nexrl.config.derived import LOCAL_BACKENDS
 from nexrl.config.schema import InferenceServiceConfig
 from nexrl.execute import execute
-from nexrl.inference.factory import LOCAL_BACKENDS, build_local_engine, check_engine_options
+from nexrl.inference.factory import build_local_engine, check_engine_options
 from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,

@@ -12,7 +12,6 @@ from typing import Any
 from nexrl.inference.protocol import InferenceEngine
 from nexrl.registry import Registry
 
-LOCAL_BACKENDS = ("builtin", "hf")
 ENGINE_OPTIONS = (
     "max_batch_size",
     "max_model_len",

@@ -174,7 +174,7 @@ def test_quickstart_reward_module_in_the_current_folder_local_mode(tmp_path) -> 
 
 def test_train_spawns_the_trainer_child_before_importing_the_run(tmp_path) -> None:
     """With `backend=process`, `nexrl train` spawns the trainer child before it imports
-    the controller and the model libraries (their imports then overlap the child's);
+    the controller, torch and transformers (their imports then overlap the child's);
     a run that fails to build stops that child."""
     script = textwrap.dedent(
         f"""
@@ -184,7 +184,7 @@ def test_train_spawns_the_trainer_child_before_importing_the_run(tmp_path) -> No
 
         spawn = trainer_spare.spawn
         def traced():
-            loaded = [m for m in ("nexrl.controller", "transformers") if m in sys.modules]
+            loaded = [m for m in ("nexrl.controller", "transformers", "torch") if m in sys.modules]
             print("loaded at spawn:", loaded, flush=True)
             trainer_spare.spawned = spawn()
             return trainer_spare.spawned

@@ -105,3 +105,26 @@ def test_every_shipped_config_loads(path, caplog):
 def test_configuration_reference_is_current():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert doc == render(), "run: python -m nexrl.config.reference > docs/configuration.md"
+
+
+def test_loading_and_checking_a_config_imports_no_torch():
+    """A bad config fails before any heavy import, and `nexrl train` can spawn its
+    trainer child before importing torch (nexrl/training/trainer_spare.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from nexrl.config import ConfigError, load_config\n"
+        "load_config(['weight.transport=memory'])\n"
+        "try:\n"
+        "    load_config(['service.train_service.backend=remote', 'weight.transport=memory'])\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refused, torch_loaded = proc.stdout.strip().splitlines()
+    assert "weight.transport=memory needs the trainer built in" in refused
+    assert torch_loaded == "False"
