@@ -57,6 +57,7 @@ def compute_loss(
     KL_ESTIMATORS.get(kl_estimator)  # fail on a bad name even when KL is off
     if tis_level is not None and decoupled:
         raise ValueError("choose one off-policy correction: tis_level or decoupled, not both")
+    _check_token_shapes(logprobs, batch)
     mask = batch["loss_mask"].to(logprobs.dtype)
     norms = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_tokens": max_tokens}
     aggregate = AGGREGATIONS.get(agg_mode)
@@ -92,3 +93,19 @@ def _require(batch: dict[str, torch.Tensor], key: str, why: str) -> torch.Tensor
     if key not in batch:
         raise KeyError(f"{why} needs batch[{key!r}]; present keys: {sorted(batch)}")
     return batch[key]
+
+
+PER_TOKEN_KEYS = ("loss_mask", "advantages", "old_logprobs", "behavior_logprobs", "ref_logprobs")
+
+
+def _check_token_shapes(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+    """Every per-token field has the logprobs' (batch, tokens) shape; a per-sequence one
+    would otherwise broadcast into a shape error that names no field."""
+    for key in PER_TOKEN_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.shape != logprobs.shape:
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(value.shape)}; the loss needs one value per "
+                f"token, shape {tuple(logprobs.shape)} (rows x tokens, as input_ids). "
+                "Per-sequence values spread over the tokens with v[:, None].expand_as(input_ids)"
+            )

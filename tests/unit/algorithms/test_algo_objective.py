@@ -152,6 +152,18 @@ def test_config_errors_name_the_bad_key():
         compute_loss(logp, batch, entropy_coef=0.1)
 
 
+@pytest.mark.parametrize("key", ["advantages", "old_logprobs", "ref_logprobs", "loss_mask"])
+def test_a_per_sequence_field_is_refused_naming_it(key):
+    """(B,) instead of (B, T) would broadcast to a shape error that names no field."""
+    logp, batch, _ = random_batch()
+    batch[key] = batch[key][:, 0]
+    rows, tokens = logp.shape
+    with pytest.raises(
+        ValueError, match=rf"batch\['{key}'\] has shape \({rows},\).*\({rows}, {tokens}\)"
+    ):
+        compute_loss(logp, batch)
+
+
 def user_loss(logprobs, batch, scale: float = 1.0):
     """A user's policy loss, reached by import path."""
     return -scale * batch["advantages"] * logprobs, {}
