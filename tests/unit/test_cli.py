@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from nexrl.cli import COMMANDS, check_engine_overrides, main, put_cwd_on_path
+from tests.fresh import run_fresh
 
 
 def _train(capsys, *args: str) -> tuple[int, str, str]:
@@ -196,10 +197,7 @@ def test_train_spawns_the_trainer_child_before_importing_the_run(tmp_path) -> No
         print("exit", code, "child alive", proc.is_alive(), "spare", trainer_spare._spare)
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_fresh(script)
     assert "loaded at spawn: []" in proc.stdout
     assert "exit 2 child alive False spare None" in proc.stdout
     assert "nowhere" in proc.stderr

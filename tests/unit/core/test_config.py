@@ -5,6 +5,7 @@ from omegaconf import OmegaConf
 
 from nexrl.config import ConfigError, load_config
 from nexrl.config.reference import render
+from tests.fresh import run_fresh
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -110,9 +111,6 @@ def test_configuration_reference_is_current():
 def test_loading_and_checking_a_config_imports_no_torch():
     """A bad config fails before any heavy import, and `nexrl train` can spawn its
     trainer child before importing torch (nexrl/training/trainer_spare.py)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "from nexrl.config import ConfigError, load_config\n"
@@ -123,8 +121,6 @@ def test_loading_and_checking_a_config_imports_no_torch():
         "    print('refused:', exc)\n"
         "print('torch' in sys.modules)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    refused, torch_loaded = proc.stdout.strip().splitlines()
+    refused, torch_loaded = run_fresh(code).stdout.strip().splitlines()
     assert "weight.transport=memory needs the trainer built in" in refused
     assert torch_loaded == "False"

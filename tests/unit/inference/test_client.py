@@ -16,6 +16,7 @@ from nexrl.inference.client import (
 from nexrl.inference.engine import Engine
 from nexrl.inference.hf_engine import HFEngine
 from nexrl.inference.protocol import WeightUpdateMeta
+from tests.fresh import run_fresh
 
 KEYS = {"response", "response_ids", "response_logprobs", "finish_reason", "token_versions"}
 
@@ -110,9 +111,6 @@ def test_sampling_from_kwargs_and_bad_backend():
 def test_a_local_engine_client_never_imports_the_openai_sdk():
     """The HTTP clients' errors are retried only for a remote engine, so a local run
     does not pay the openai SDK's import at start-up."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "from nexrl.inference.client import LLMServiceClient\n"
@@ -121,9 +119,7 @@ def test_a_local_engine_client_never_imports_the_openai_sdk():
         "assert client._retryer.retry.predicate(ConnectionError('engine'))\n"
         "print('openai' in sys.modules)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "False"
+    assert run_fresh(code).stdout.strip() == "False"
 
 
 def test_a_remote_client_retries_the_openai_sdks_transient_errors():
