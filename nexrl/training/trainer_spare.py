@@ -1,8 +1,8 @@
 """The train child of `service.train_service.backend=process`, spawned ahead.
 
 Its start-up is mostly imports (torch, transformers: 4 s on 2 CPU cores here, 11-13 s
-on a 16-core GPU host). `nexrl train` spawns it as soon as the config is known, before
-it imports the controller, so the child's imports run beside this process's own and
+on a 16-core GPU host). `nexrl train` spawns it as soon as the config is checked, before
+it imports torch or the controller, so the child's imports run beside this process's own and
 beside the building of the run; `ProcessTrainEngine` then takes it. This module
 imports no torch: spawning costs the parent nothing.
 """
