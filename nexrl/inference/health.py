@@ -19,9 +19,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from nexrl.spawn import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT_CODE
+
 OOM_EXIT_CODE = 75
 """Exit status of an engine process that stopped itself after running out of memory."""
-
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -50,6 +51,8 @@ def describe_exit(exitcode: int | None) -> str:
         return "still running"
     if exitcode == OOM_EXIT_CODE:
         return "stopped after running out of memory"
+    if exitcode == UNGUARDED_MAIN_EXIT_CODE:
+        return UNGUARDED_MAIN
     if exitcode < 0:
         import signal
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -53,6 +52,7 @@ from nexrl.inference.protocol import (
     TokenCallback,
     WeightUpdateMeta,
 )
+from nexrl.spawn import spawn_context
 
 _ERRORS = {"ValueError": ValueError, "KeyError": KeyError, "FileNotFoundError": FileNotFoundError}
 _REPLAYED_OPS = ("generate", "update_weights", "pause", "resume", "abort", "stats")
@@ -143,7 +143,7 @@ class ProcessEngine:
 
     # -- child lifecycle ------------------------------------------------------------------
     def _spawn(self) -> _Child:
-        ctx = mp.get_context("spawn")
+        ctx = spawn_context()
         conn, child_conn = ctx.Pipe()
         proc = ctx.Process(
             target=child_main, args=(child_conn, self.model_path, dict(self._options)), daemon=True

@@ -9,11 +9,12 @@ imports no torch: spawning costs the parent nothing.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from nexrl.spawn import spawn_context
 
 Spawned = tuple[Any, Any]  # (the child process, the parent's end of its pipe)
 
@@ -23,7 +24,7 @@ _spare_lock = threading.Lock()
 
 def spawn() -> Spawned:
     """A new child; it imports the engine, then waits for its config."""
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     conn, child_conn = ctx.Pipe()
     proc = ctx.Process(target=_child, args=(child_conn,), name="nexrl-trainer", daemon=True)
     proc.start()

@@ -46,3 +46,18 @@ def test_the_setup_heap_is_frozen_for_a_run_then_handed_back():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert ref() is None
+
+
+def test_a_run_collects_its_young_objects_less_often_then_restores_the_thresholds():
+    from nexrl.run_setup import RUN_GC_THRESHOLD0
+
+    before = gc.get_threshold()
+    with frozen_setup_heap():
+        assert gc.get_threshold() == (max(before[0], RUN_GC_THRESHOLD0), *before[1:])
+    assert gc.get_threshold() == before
+    gc.set_threshold(0, *before[1:])  # collection by threshold turned off stays off
+    try:
+        with frozen_setup_heap():
+            assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)

@@ -5,8 +5,11 @@ and its failures reach the caller by name."""
 from __future__ import annotations
 
 import glob
+import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -194,3 +197,48 @@ def test_the_shared_buffer_holds_mixed_dtypes_and_odd_sizes_exactly(monkeypatch,
     grown = served.export({**state, "e": torch.zeros(2)})
     assert grown["file"].startswith(str(tmp_path)) and len(grown["layout"]) == 5
     os.unlink(grown["file"])
+
+
+SCRIPT = """
+import sys
+from nexrl.training.client import TrainServiceClient
+
+def main():
+    client = TrainServiceClient({"backend": "process"}, {"lr": 1e-3}, sys.argv[1])
+    client.initialize()
+    print("started a child")
+"""
+
+
+def _run_script(path, model) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(path), str(model)], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path, tiny_model):
+    """The spawned child imports the script again; the parent's error says what to fix
+    (before, it read "exited with status 1"). With the guard the same script runs."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT + "main()\n")
+    proc = _run_script(script, tiny_model)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "train process" in last and "during 'start'" in last
+    assert 'without an `if __name__ == "__main__":` guard' in last
+    script.write_text(SCRIPT + 'if __name__ == "__main__":\n    main()\n')
+    proc = _run_script(script, tiny_model)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "started a child" in proc.stdout
+
+
+def test_spawning_while_a_child_imports_the_script_stops_that_child(monkeypatch):
+    from nexrl.inference.health import describe_exit
+    from nexrl.spawn import UNGUARDED_MAIN_EXIT_CODE, spawn_context
+
+    assert spawn_context().get_start_method() == "spawn"
+    monkeypatch.setattr(mp.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        spawn_context()
+    assert stopped.value.code == UNGUARDED_MAIN_EXIT_CODE
+    assert "__main__" in describe_exit(UNGUARDED_MAIN_EXIT_CODE)
