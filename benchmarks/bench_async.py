@@ -120,6 +120,9 @@ def task_overrides(task: str, tmp: Path, steps: int | None) -> list[str]:
 
 
 def run_once(overrides: list[str]) -> dict[str, Any]:
+    # every variant trains in this process, as when the results below were recorded: the
+    # rollout policies are compared, not where the trainer runs (bench_e2e.py does that)
+    overrides = ["service.train_service.backend=builtin", *overrides]
     controller = NexRLController(load_config(overrides))
     t0 = time.perf_counter()
     final = controller.run()

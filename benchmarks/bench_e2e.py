@@ -8,8 +8,9 @@ AdamW lr 3e-4, grad clip 1.0 - the default config. The minimal loop below is the
 floor: HF `generate`, reward, one torch forward / backward / step, nothing else.
 
 Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
-fully-async (staleness 1, in-flight weight updates), and the same fully-async with the
-trainer in a child process (`service.train_service.backend=process`); with several
+fully-async (staleness 1, in-flight weight updates) with the trainer in this process
+(`service.train_service.backend=builtin`), and the same fully-async with the trainer
+in a child process (`process`, what fully-async picks by default); with several
 seeds, seed by seed (each seed's four runs back to back), so a machine whose speed
 drifts during the benchmark moves every side alike. Validation is off on the nexrl
 side so both report the same thing: median seconds per step and the seconds (sum of
@@ -73,6 +74,7 @@ NEXRL_VARIANTS = {
         "weight.sync_mode=fully-async",
         "weight.staleness_threshold=1",
         "weight.inflight_weight_update=true",
+        "service.train_service.backend=builtin",  # the trainer in this process
     ],
     # the same with the trainer in a child process: no interpreter lock shared with the
     # engine and rollout threads that run beside the update

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nexrl.config.derived import train_backend
+
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -57,6 +59,7 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
 
         cfg.model_path = str(resolve_model(cfg.model_path))
     cfg.logger.run_dir = str(run_dir)
+    cfg.service.train_service.backend = train_backend(cfg)  # `auto` (a config not loaded)
     cfg.train_worker.checkpoint_path = cfg.train_worker.checkpoint_path or str(
         run_dir / "checkpoints"
     )

@@ -9,7 +9,9 @@ child is spawned before the parent imports torch (`nexrl/training/trainer_spare.
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import sys
+from pathlib import Path
 
 UNGUARDED_MAIN_EXIT_CODE = 76
 """Exit status of a spawned child that, importing the parent's script again, was asked to
@@ -30,3 +32,20 @@ def spawn_context() -> mp.context.SpawnContext:
         print(f"nexrl: this child process {UNGUARDED_MAIN}", file=sys.stderr, flush=True)
         raise SystemExit(UNGUARDED_MAIN_EXIT_CODE)
     return mp.get_context("spawn")
+
+
+_GUARD = re.compile(r"""__name__\s*==\s*["']__main__["']""")
+
+
+def main_can_be_reimported() -> bool:
+    """Whether a spawned child can import this process's `__main__` again without
+    starting the run: it has no file (an interactive session, a notebook, `python -c`:
+    the child imports nothing of it) or its source has an `if __name__ == "__main__":`
+    guard (the `nexrl` and `pytest` commands, scripts written for it)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path is None:
+        return True
+    try:
+        return bool(_GUARD.search(Path(path).read_text(errors="replace")))
+    except OSError:
+        return False

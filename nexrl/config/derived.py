@@ -7,10 +7,46 @@ before its own imports (nexrl/training/trainer_spare.py).
 
 from __future__ import annotations
 
+import sys
+
 from omegaconf import DictConfig, OmegaConf
+
+from nexrl.spawn import main_can_be_reimported
 
 LOCAL_BACKENDS = ("builtin", "hf")
 """Inference backends whose engine runs in the client's process."""
+
+
+def train_backend(cfg: DictConfig) -> str:
+    """`service.train_service.backend` made concrete. `auto` is `process` for a local
+    fully-async run with an in-process engine: the trainer then shares no interpreter
+    lock with the rollout side, the fastest mode measured (docs/performance.md). It is
+    `builtin` where that gains nothing or was not measured (sync mode takes turns;
+    batch-async; in Ray mode the train worker is a process already; a remote engine's
+    rollout side is light) and where the
+    spawned child could not work as this process does: a script that the child cannot
+    import again (no `__main__` guard), or a loss that user code registered by name
+    (the child may not have run that registration)."""
+    backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
+    if backend != "auto":
+        return backend
+    local = OmegaConf.select(cfg, "launch_mode", default="local") == "local"
+    fully_async = OmegaConf.select(cfg, "weight.sync_mode", default="sync") == "fully-async"
+    engine = OmegaConf.select(cfg, "service.inference_service.backend", default="builtin")
+    loss = OmegaConf.select(cfg, "algorithm.loss_fn", default="ppo_clip")
+    here = local and fully_async and engine in LOCAL_BACKENDS
+    child_fits = main_can_be_reimported() and _child_knows_loss(loss)
+    return "process" if here and child_fits else "builtin"
+
+
+def _child_knows_loss(name: str) -> bool:
+    """Whether a fresh child resolves `algorithm.loss_fn` as this process does: an import
+    path, or a loss registered by nexrl itself (read from the registry only if this
+    process has imported it: otherwise nothing else can be registered yet)."""
+    losses = sys.modules.get("nexrl.algorithms.losses")
+    if ":" in name or losses is None or name not in losses.POLICY_LOSSES:
+        return True  # an unknown name fails the same way in either process
+    return getattr(losses.POLICY_LOSSES.get(name), "__module__", "").startswith("nexrl.")
 
 
 def weights_in_memory(cfg: DictConfig) -> bool:
@@ -24,7 +60,7 @@ def weights_in_memory(cfg: DictConfig) -> bool:
     replicas = OmegaConf.select(cfg, "ray.inference_replicas.bundles_per_node", default=None)
     possible = (
         cfg.service.inference_service.backend in LOCAL_BACKENDS
-        and cfg.service.train_service.backend in ("builtin", "process")
+        and train_backend(cfg) in ("builtin", "process")
         and not (cfg.launch_mode == "ray" and replicas)
     )
     if transport == "memory" and not possible:

@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from nexrl.config.derived import groups_per_batch, weights_in_memory
+from nexrl.config.derived import groups_per_batch, train_backend, weights_in_memory
 from nexrl.config.schema import CHOICES, RLTrainConfig
 from nexrl.config.suggest import ConfigError, check_known_keys, explain_unknown_key
 
@@ -52,6 +52,7 @@ def load_config(
     check_known_keys(cfg)
     validate_choices(cfg)
     warn_serial_groups(cfg)
+    cfg.service.train_service.backend = train_backend(cfg)  # `auto` made concrete, here
     return cfg
 
 

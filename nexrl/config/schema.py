@@ -213,10 +213,11 @@ class WeightConfig:
 
 @dataclass
 class TrainServiceConfig:
-    backend: str = "builtin"
+    backend: str = "auto"
     """`builtin` (in-process torch engine), `process` (the same engine in a child process
     of its own: no interpreter-lock contention with the rollout side, weights through
-    shared memory) or `remote` (a `nexrl train-service`)."""
+    shared memory), `remote` (a `nexrl train-service`), or `auto`: `process` for a local
+    fully-async run (the fastest measured), `builtin` otherwise."""
     url: str | None = None
     """Service URL for `remote`."""
     model_tag: str = "default"
@@ -434,6 +435,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "resume.mode": ("disable", "auto", "from_path"),
     "runtime_monitor.exception_handling.policy": ("stop_on_error", "stop_on_critical", "continue"),
     "trajectory_pool.check_batch_ready_function": ("batch_size", "loaded_batch_finished"),
-    "service.train_service.backend": ("builtin", "process", "remote"),
+    "service.train_service.backend": ("auto", "builtin", "process", "remote"),
     "service.inference_service.backend": ("builtin", "hf", "remote", "vllm", "sglang"),
 }

@@ -2,10 +2,14 @@
 
 Three backends behind one class, chosen by `service.train_service.backend`:
 
-- "builtin" (default): a `TorchTrainEngine` in this process;
+- "builtin": a `TorchTrainEngine` in this process;
 - "process": a `TorchTrainEngine` in a child process of its own, weights through
   shared memory (`ProcessTrainEngine`);
 - "remote": the HTTP train service (`nexrl train-service`) at `url`.
+
+The config's default, "auto", is made concrete by the config loader (`process` for a
+local fully-async run, nexrl/config/derived.py); a client built on its own takes it as
+"builtin".
 
 The client adds only transport concerns (timeouts, retries, auth); no
 algorithm logic. Retries: calls that do not change state (logprobs, export,
@@ -53,7 +57,7 @@ class TrainServiceClient:
         model_path: str,
     ) -> None:
         cfg = as_service_config(config)
-        self.backend = cfg.backend
+        self.backend = "builtin" if cfg.backend == "auto" else cfg.backend
         if self.backend not in BACKENDS:
             raise ValueError(f"train_service.backend={self.backend!r}; choose one of {BACKENDS}")
         if self.backend == "remote" and not cfg.url:

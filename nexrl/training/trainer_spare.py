@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from nexrl.config.derived import train_backend
 from nexrl.spawn import spawn_context
 
 Spawned = tuple[Any, Any]  # (the child process, the parent's end of its pipe)
@@ -40,9 +41,9 @@ def _child(conn: Any) -> None:
 
 def prestart_for(cfg: DictConfig) -> bool:
     """Spawn the spare if `cfg` trains in a child process of this one (local launch,
-    `service.train_service.backend=process`); whether it does."""
-    backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
-    if OmegaConf.select(cfg, "launch_mode", default="local") != "local" or backend != "process":
+    `service.train_service.backend` process, or auto in fully-async); whether it does."""
+    local = OmegaConf.select(cfg, "launch_mode", default="local") == "local"
+    if not local or train_backend(cfg) != "process":
         return False
     prestart()
     return True

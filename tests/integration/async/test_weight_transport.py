@@ -3,6 +3,7 @@ engine serves exactly the trainer's weights either way."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def _check_engine_serves_trained_weights(controller: NexRLController) -> None:
 @pytest.mark.parametrize("mode", ["sync", "fully-async"])
 def test_pushed_weights_are_the_trained_ones(async_config, transport, mode):
     overrides = [f"weight.transport={transport}", f"weight.sync_mode={mode}"]
+    overrides.append("service.train_service.backend=builtin")  # its model is read below
     if mode != "sync":
         overrides.append("weight.staleness_threshold=1")
     controller = NexRLController(async_config(*overrides))
@@ -80,3 +82,15 @@ def test_a_trainer_in_its_own_process_pushes_what_it_trained(async_config):
     assert engine.version == 4 and trained
     for name, tensor in trained.items():
         assert torch.equal(served[name], tensor), name
+
+
+def test_a_default_fully_async_run_trains_in_a_child_process(async_config):
+    """`service.train_service.backend: auto` (docs/training.md)."""
+    controller = NexRLController(
+        async_config("weight.sync_mode=fully-async", "weight.staleness_threshold=1")
+    )
+    worker = controller.system.train_workers[0]
+    controller.run()
+    assert worker._client.backend == "process"
+    assert worker._client._engine.pid != os.getpid()
+    assert controller.final_metrics  # it trained

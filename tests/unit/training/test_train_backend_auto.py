@@ -1,0 +1,67 @@
+"""`service.train_service.backend: auto` (the default): the trainer runs in a child
+process in a local fully-async run with an in-process engine, where it shares no
+interpreter lock with the rollout side, and in this process wherever a child would
+gain nothing or could not work as this process does."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from nexrl.config import load_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend"),
+    [
+        ([], "builtin"),  # sync: trainer and rollout take turns anyway
+        (["weight.sync_mode=batch-async", "weight.staleness_threshold=1"], "builtin"),
+        (["weight.sync_mode=fully-async"], "process"),
+        (["weight.sync_mode=fully-async", "launch_mode=ray"], "builtin"),
+        (
+            [
+                "weight.sync_mode=fully-async",
+                "service.inference_service.backend=remote",
+                "service.inference_service.url=http://127.0.0.1:1",
+            ],
+            "builtin",
+        ),
+        (["weight.sync_mode=fully-async", "algorithm.loss_fn=gspo"], "process"),
+        (["weight.sync_mode=fully-async", "service.train_service.backend=builtin"], "builtin"),
+        (["service.train_service.backend=process"], "process"),
+    ],
+)
+def test_auto_is_made_concrete_when_the_config_loads(tmp_path, overrides, backend):
+    cfg = load_config([f"output_dir={tmp_path}", *overrides])
+    assert cfg.service.train_service.backend == backend
+
+
+def test_a_loss_registered_by_user_code_keeps_the_trainer_here(tmp_path, monkeypatch):
+    """A spawned child has nexrl's own losses; one registered at run time it may lack."""
+    from nexrl.algorithms.losses import POLICY_LOSSES
+
+    monkeypatch.setitem(POLICY_LOSSES._items, "my_loss", lambda *a, **k: None)
+    over = [f"output_dir={tmp_path}", "weight.sync_mode=fully-async"]
+    assert load_config([*over, "algorithm.loss_fn=my_loss"]).service.train_service.backend == (
+        "builtin"
+    )
+    path = "nexrl.algorithms.losses:ppo_clip"  # an import path: the child imports it
+    assert load_config([*over, f"algorithm.loss_fn={path}"]).service.train_service.backend == (
+        "process"
+    )
+
+
+@pytest.mark.parametrize(("guarded", "backend"), [(True, "process"), (False, "builtin")])
+def test_a_script_without_a_main_guard_keeps_the_trainer_here(
+    tmp_path, monkeypatch, guarded, backend
+):
+    script = tmp_path / "train.py"
+    run = "NexRLController(load_config(['weight.sync_mode=fully-async'])).run()\n"
+    script.write_text(f'if __name__ == "__main__":\n    {run}' if guarded else run)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    cfg = load_config([f"output_dir={tmp_path}", "weight.sync_mode=fully-async"])
+    assert cfg.service.train_service.backend == backend
