@@ -91,6 +91,20 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._items)
 
+    def registered_outside(self, package: str) -> list[str]:
+        """Names whose entry comes from a module outside `package` (user code); a lazy
+        entry is judged by its import path, without importing it."""
+
+        def inside(item: Any) -> bool:
+            module = (
+                item.split(":")[0]
+                if isinstance(item, str)
+                else getattr(item, "__module__", None) or ""
+            )
+            return module == package or module.startswith(f"{package}.")
+
+        return sorted(n for n, item in self._items.items() if not inside(item))
+
     def __contains__(self, name: str) -> bool:
         return name in self._items
 

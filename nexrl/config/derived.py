@@ -23,30 +23,32 @@ def train_backend(cfg: DictConfig) -> str:
     lock with the rollout side, the fastest mode measured (docs/performance.md). It is
     `builtin` where that gains nothing or was not measured (sync mode takes turns;
     batch-async; in Ray mode the train worker is a process already; a remote engine's
-    rollout side is light) and where the
-    spawned child could not work as this process does: a script that the child cannot
-    import again (no `__main__` guard), or a loss that user code registered by name
-    (the child may not have run that registration)."""
+    rollout side is light) and where the spawned child could not work as this process
+    does: a script that the child cannot import again (no `__main__` guard), or a loss,
+    aggregation or KL estimator that user code registered by name (the child may not
+    run that registration)."""
     backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
     if backend != "auto":
         return backend
     local = OmegaConf.select(cfg, "launch_mode", default="local") == "local"
     fully_async = OmegaConf.select(cfg, "weight.sync_mode", default="sync") == "fully-async"
     engine = OmegaConf.select(cfg, "service.inference_service.backend", default="builtin")
-    loss = OmegaConf.select(cfg, "algorithm.loss_fn", default="ppo_clip")
     here = local and fully_async and engine in LOCAL_BACKENDS
-    child_fits = main_can_be_reimported() and _child_knows_loss(loss)
+    child_fits = main_can_be_reimported() and not _user_registered_loss_parts()
     return "process" if here and child_fits else "builtin"
 
 
-def _child_knows_loss(name: str) -> bool:
-    """Whether a fresh child resolves `algorithm.loss_fn` as this process does: an import
-    path, or a loss registered by nexrl itself (read from the registry only if this
-    process has imported it: otherwise nothing else can be registered yet)."""
-    losses = sys.modules.get("nexrl.algorithms.losses")
-    if ":" in name or losses is None or name not in losses.POLICY_LOSSES:
-        return True  # an unknown name fails the same way in either process
-    return getattr(losses.POLICY_LOSSES.get(name), "__module__", "").startswith("nexrl.")
+def _user_registered_loss_parts() -> list[str]:
+    """Losses, aggregations and KL estimators (what the trainer looks up by name) that
+    code outside nexrl registered in this process. Read only if this process imported
+    the algorithm library: before that nothing can be registered in it."""
+    algorithms = sys.modules.get("nexrl.algorithms")
+    if algorithms is None:
+        return []
+    found = []
+    for registry in (algorithms.POLICY_LOSSES, algorithms.AGGREGATIONS, algorithms.KL_ESTIMATORS):
+        found += registry.registered_outside("nexrl")
+    return found
 
 
 def weights_in_memory(cfg: DictConfig) -> bool:

@@ -23,6 +23,7 @@ from nexrl.spawn import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT_CODE
 
 OOM_EXIT_CODE = 75
 """Exit status of an engine process that stopped itself after running out of memory."""
+
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 

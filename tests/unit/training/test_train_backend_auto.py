@@ -38,19 +38,21 @@ def test_auto_is_made_concrete_when_the_config_loads(tmp_path, overrides, backen
     assert cfg.service.train_service.backend == backend
 
 
-def test_a_loss_registered_by_user_code_keeps_the_trainer_here(tmp_path, monkeypatch):
-    """A spawned child has nexrl's own losses; one registered at run time it may lack."""
-    from nexrl.algorithms.losses import POLICY_LOSSES
+@pytest.mark.parametrize("registry", ["POLICY_LOSSES", "AGGREGATIONS", "KL_ESTIMATORS"])
+def test_a_loss_part_registered_by_user_code_keeps_the_trainer_here(tmp_path, registry):
+    """A spawned child has nexrl's own losses, aggregations and KL estimators; one that
+    user code registered at run time it may lack."""
+    import nexrl.algorithms as algorithms
 
-    monkeypatch.setitem(POLICY_LOSSES._items, "my_loss", lambda *a, **k: None)
+    table = getattr(algorithms, registry)
     over = [f"output_dir={tmp_path}", "weight.sync_mode=fully-async"]
-    assert load_config([*over, "algorithm.loss_fn=my_loss"]).service.train_service.backend == (
-        "builtin"
-    )
-    path = "nexrl.algorithms.losses:ppo_clip"  # an import path: the child imports it
-    assert load_config([*over, f"algorithm.loss_fn={path}"]).service.train_service.backend == (
-        "process"
-    )
+    table.add("mine", lambda *a, **k: None)  # this module is user code here
+    try:
+        assert table.registered_outside("nexrl") == ["mine"]
+        assert load_config(over).service.train_service.backend == "builtin"
+    finally:
+        del table._items["mine"]
+    assert load_config(over).service.train_service.backend == "process"
 
 
 @pytest.mark.parametrize(("guarded", "backend"), [(True, "process"), (False, "builtin")])
@@ -65,3 +67,16 @@ def test_a_script_without_a_main_guard_keeps_the_trainer_here(
     monkeypatch.setitem(sys.modules, "__main__", main)
     cfg = load_config([f"output_dir={tmp_path}", "weight.sync_mode=fully-async"])
     assert cfg.service.train_service.backend == backend
+
+
+def test_a_registry_names_what_code_outside_a_package_registered():
+    from nexrl.registry import Registry
+    from nexrl.rewards import shift_letters
+
+    table = Registry("thing")
+    table.add("ours", shift_letters)
+    table.add("ours_lazy", "nexrl.rewards:exact_match")
+    table.add("theirs_lazy", "mypkg.things:fn")  # judged by its path, not imported
+    table.add("theirs", lambda: None)
+    assert table.registered_outside("nexrl") == ["theirs", "theirs_lazy"]
+    assert table.registered_outside("nex") == table.names()  # a package, not a prefix
