@@ -80,3 +80,16 @@ def test_a_registry_names_what_code_outside_a_package_registered():
     table.add("theirs", lambda: None)
     assert table.registered_outside("nexrl") == ["theirs", "theirs_lazy"]
     assert table.registered_outside("nex") == table.names()  # a package, not a prefix
+
+
+def test_a_config_not_loaded_is_made_concrete_by_the_run_setup(tmp_path, tiny_model_path):
+    """A config built or edited by hand still holds `auto` until the run resolves it; a
+    train client built on its own takes `auto` as `builtin`."""
+    from nexrl.run_setup import resolve_run_config
+    from nexrl.training.client import TrainServiceClient
+
+    over = [f"output_dir={tmp_path}", f"model_path={tiny_model_path}"]
+    cfg = load_config([*over, "weight.sync_mode=fully-async"])
+    cfg.service.train_service.backend = "auto"
+    assert resolve_run_config(cfg).service.train_service.backend == "process"
+    assert TrainServiceClient({"backend": "auto"}, {}, str(tiny_model_path)).backend == "builtin"
