@@ -19,21 +19,24 @@ LOCAL_BACKENDS = ("builtin", "hf")
 
 def train_backend(cfg: DictConfig) -> str:
     """`service.train_service.backend` made concrete. `auto` is `process` for a local
-    fully-async run with an in-process engine: the trainer then shares no interpreter
-    lock with the rollout side, the fastest mode measured (docs/performance.md). It is
-    `builtin` where that gains nothing or was not measured (sync mode takes turns;
-    batch-async; in Ray mode the train worker is a process already; a remote engine's
-    rollout side is light) and where the spawned child could not work as this process
-    does: a script that the child cannot import again (no `__main__` guard), or a loss,
-    aggregation or KL estimator that user code registered by name (the child may not
-    run that registration)."""
+    fully-async run with an in-process engine and `staleness_threshold` >= 1: the
+    trainer then updates while the next batch is generated and shares no interpreter
+    lock with that rollout, the fastest mode measured (docs/performance.md). It is
+    `builtin` where that gains nothing or was not measured (sync mode takes turns; at
+    staleness 0 admission holds the next batch until the weights are pushed, so the
+    update never overlaps a rollout; batch-async; in Ray mode the train worker is a
+    process already; a remote engine's rollout side is light) and where the spawned
+    child could not work as this process does: a script that the child cannot import
+    again (no `__main__` guard), or a loss, aggregation or KL estimator that user code
+    registered by name (the child may not run that registration)."""
     backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
     if backend != "auto":
         return backend
     local = OmegaConf.select(cfg, "launch_mode", default="local") == "local"
     fully_async = OmegaConf.select(cfg, "weight.sync_mode", default="sync") == "fully-async"
+    overlaps = OmegaConf.select(cfg, "weight.staleness_threshold", default=0) >= 1
     engine = OmegaConf.select(cfg, "service.inference_service.backend", default="builtin")
-    here = local and fully_async and engine in LOCAL_BACKENDS
+    here = local and fully_async and overlaps and engine in LOCAL_BACKENDS
     child_fits = main_can_be_reimported() and not _user_registered_loss_parts()
     return "process" if here and child_fits else "builtin"
 

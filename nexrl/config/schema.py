@@ -217,7 +217,8 @@ class TrainServiceConfig:
     """`builtin` (in-process torch engine), `process` (the same engine in a child process
     of its own: no interpreter-lock contention with the rollout side, weights through
     shared memory), `remote` (a `nexrl train-service`), or `auto`: `process` for a local
-    fully-async run (the fastest measured), `builtin` otherwise."""
+    fully-async run with `weight.staleness_threshold` >= 1 (the fastest measured),
+    `builtin` otherwise."""
     url: str | None = None
     """Service URL for `remote`."""
     model_tag: str = "default"

@@ -8,8 +8,8 @@ Three backends behind one class, chosen by `service.train_service.backend`:
 - "remote": the HTTP train service (`nexrl train-service`) at `url`.
 
 The config's default, "auto", is made concrete by the config loader (`process` for a
-local fully-async run, nexrl/config/derived.py); a client built on its own takes it as
-"builtin".
+local fully-async run with staleness >= 1, nexrl/config/derived.py); a client built on
+its own takes it as "builtin".
 
 The client adds only transport concerns (timeouts, retries, auth); no
 algorithm logic. Retries: calls that do not change state (logprobs, export,

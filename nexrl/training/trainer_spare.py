@@ -41,7 +41,7 @@ def _child(conn: Any) -> None:
 
 def prestart_for(cfg: DictConfig) -> bool:
     """Spawn the spare if `cfg` trains in a child process of this one (local launch,
-    `service.train_service.backend` process, or auto in fully-async); whether it does."""
+    `service.train_service.backend` process, or auto resolved to it); whether it does."""
     local = OmegaConf.select(cfg, "launch_mode", default="local") == "local"
     if not local or train_backend(cfg) != "process":
         return False

@@ -1,7 +1,8 @@
 """`service.train_service.backend: auto` (the default): the trainer runs in a child
-process in a local fully-async run with an in-process engine, where it shares no
-interpreter lock with the rollout side, and in this process wherever a child would
-gain nothing or could not work as this process does."""
+process in a local fully-async run with an in-process engine and staleness >= 1, where
+it updates while the next batch is generated and shares no interpreter lock with that
+rollout, and in this process wherever a child would gain nothing or could not work as
+this process does."""
 
 from __future__ import annotations
 
@@ -12,24 +13,29 @@ import pytest
 
 from nexrl.config import load_config
 
+ASYNC = ["weight.sync_mode=fully-async", "weight.staleness_threshold=1"]
+
 
 @pytest.mark.parametrize(
     ("overrides", "backend"),
     [
         ([], "builtin"),  # sync: trainer and rollout take turns anyway
         (["weight.sync_mode=batch-async", "weight.staleness_threshold=1"], "builtin"),
-        (["weight.sync_mode=fully-async"], "process"),
-        (["weight.sync_mode=fully-async", "launch_mode=ray"], "builtin"),
+        # staleness 0: the next batch waits for the pushed weights, no update overlaps it
+        (["weight.sync_mode=fully-async"], "builtin"),
+        ([*ASYNC], "process"),
+        (["weight.sync_mode=fully-async", "weight.staleness_threshold=2"], "process"),
+        ([*ASYNC, "launch_mode=ray"], "builtin"),
         (
             [
-                "weight.sync_mode=fully-async",
+                *ASYNC,
                 "service.inference_service.backend=remote",
                 "service.inference_service.url=http://127.0.0.1:1",
             ],
             "builtin",
         ),
-        (["weight.sync_mode=fully-async", "algorithm.loss_fn=gspo"], "process"),
-        (["weight.sync_mode=fully-async", "service.train_service.backend=builtin"], "builtin"),
+        ([*ASYNC, "algorithm.loss_fn=gspo"], "process"),
+        ([*ASYNC, "service.train_service.backend=builtin"], "builtin"),
         (["service.train_service.backend=process"], "process"),
     ],
 )
@@ -45,7 +51,7 @@ def test_a_loss_part_registered_by_user_code_keeps_the_trainer_here(tmp_path, re
     import nexrl.algorithms as algorithms
 
     table = getattr(algorithms, registry)
-    over = [f"output_dir={tmp_path}", "weight.sync_mode=fully-async"]
+    over = [f"output_dir={tmp_path}", *ASYNC]
     table.add("mine", lambda *a, **k: None)  # this module is user code here
     try:
         assert table.registered_outside("nexrl") == ["mine"]
@@ -60,12 +66,12 @@ def test_a_script_without_a_main_guard_keeps_the_trainer_here(
     tmp_path, monkeypatch, guarded, backend
 ):
     script = tmp_path / "train.py"
-    run = "NexRLController(load_config(['weight.sync_mode=fully-async'])).run()\n"
+    run = f"NexRLController(load_config({ASYNC})).run()\n"
     script.write_text(f'if __name__ == "__main__":\n    {run}' if guarded else run)
     main = types.ModuleType("__main__")
     main.__file__ = str(script)
     monkeypatch.setitem(sys.modules, "__main__", main)
-    cfg = load_config([f"output_dir={tmp_path}", "weight.sync_mode=fully-async"])
+    cfg = load_config([f"output_dir={tmp_path}", *ASYNC])
     assert cfg.service.train_service.backend == backend
 
 
@@ -89,7 +95,7 @@ def test_a_config_not_loaded_is_made_concrete_by_the_run_setup(tmp_path, tiny_mo
     from nexrl.training.client import TrainServiceClient
 
     over = [f"output_dir={tmp_path}", f"model_path={tiny_model_path}"]
-    cfg = load_config([*over, "weight.sync_mode=fully-async"])
+    cfg = load_config([*over, *ASYNC])
     cfg.service.train_service.backend = "auto"
     assert resolve_run_config(cfg).service.train_service.backend == "process"
     assert TrainServiceClient({"backend": "auto"}, {}, str(tiny_model_path)).backend == "builtin"
