@@ -21,10 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from nexrl.data import import_object
+from nexrl.rewards.runner import inline_reward
 
 RewardFn = Callable[..., float]
 
 
+@inline_reward
 def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> float:
     """Per-position partial credit for the shift-letters task.
 
@@ -40,6 +42,7 @@ def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> floa
     return sum(a == b for a, b in zip(text, answer, strict=False)) / denom
 
 
+@inline_reward
 def exact_match(prompt: str, completion: str, answer: str, **row: Any) -> float:
     """1.0 if the stripped completion equals the stripped answer, else 0.0."""
     return float(completion.strip() == str(answer).strip())
@@ -77,4 +80,11 @@ def get_reward_fn(name: str) -> RewardFn:
     )
 
 
-__all__ = ["REWARD_FUNCTIONS", "RewardFn", "exact_match", "get_reward_fn", "shift_letters"]
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "RewardFn",
+    "exact_match",
+    "get_reward_fn",
+    "inline_reward",
+    "shift_letters",
+]

@@ -20,6 +20,10 @@ Without the process pool a timed-out synchronous reward keeps running in its
 thread (Python cannot kill a thread): the caller is unblocked and the timeout
 is counted, but use the pool for rewards that may hang.
 
+A reward marked `@inline_reward` (a string comparison: no I/O, time bounded by
+its input) runs in the caller's thread even with a timeout: it cannot outlive
+one, and the hop to a timing thread costs more than its body.
+
 `score_many` scores a group (a rollout worker's samples of one task) with one
 thread hop instead of one per sample: the reward's call shape is worked out
 once (`PreparedReward`), so the per-item cost is the reward's own plus a few
@@ -42,6 +46,18 @@ from typing import Any, Literal, NamedTuple
 
 FailureKind = Literal["timeout", "crash", "exception"]
 FAILURE_KINDS: tuple[str, ...] = ("timeout", "crash", "exception")
+_INLINE_MARK = "__nexrl_inline_reward__"
+
+
+def inline_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a synchronous reward that always returns quickly (no I/O, no solver, time
+    bounded by the size of its input): `RewardRunner` then calls it in the caller's
+    thread, with no timeout, instead of hopping to a thread that can time it out. The
+    built-in string rewards are marked; leave anything that may hang unmarked."""
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"inline_reward marks synchronous rewards; {fn!r} is async")
+    setattr(fn, _INLINE_MARK, True)
+    return fn
 
 
 @dataclass
@@ -110,6 +126,8 @@ class PreparedReward:
     """The row keys `fn` names; None: it takes `**row` and gets every key. Why: `exact_match(
     prompt, completion, answer)` should not fail because the row also carries `index`."""
     is_async: bool
+    inline: bool = False
+    """Marked `@inline_reward`: called in the caller's thread even under a timeout."""
 
     @classmethod
     def of(cls, fn: Callable[..., Any]) -> PreparedReward:
@@ -121,6 +139,7 @@ class PreparedReward:
             seed_signature="prompt_ids" in params or "completion_ids" in params,
             row_keys=None if var_kw else frozenset(n for n, p in params.items() if p.kind in named),
             is_async=_is_async(fn),
+            inline=bool(getattr(fn, _INLINE_MARK, False)),
         )
 
     def __call__(
@@ -212,6 +231,9 @@ class RewardRunner:
             self._pool = ProcessPool(
                 max_workers=max_workers, context=multiprocessing.get_context(start_method)
             )
+        self._inline = (
+            not use_process_pool and not self.is_async and (timeout_s is None or self._call.inline)
+        )
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(64, max_workers), thread_name_prefix="reward"
         )
@@ -222,6 +244,12 @@ class RewardRunner:
     def fn(self) -> Callable[..., Any]:
         """The reward function (fixed: its call shape was worked out at construction)."""
         return self._call.fn
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether `score` and `score_many` call the reward in the caller's thread: a
+        synchronous reward without a timeout or marked `@inline_reward`, no process pool."""
+        return self._inline
 
     # -- public API --------------------------------------------------------
 
@@ -234,13 +262,14 @@ class RewardRunner:
         row: Mapping[str, Any] | None = None,
     ) -> RewardOutcome:
         """Blocking call; safe from any thread (not from inside a running event loop).
-        A sync reward without a timeout runs in the caller's thread (no thread hop)."""
+        A sync reward without a timeout, or marked `@inline_reward`, runs in the caller's
+        thread (no thread hop)."""
         args = RewardCall(prompt, completion, prompt_ids, completion_ids, row).args()
         if self._pool is not None:
             return self._record(self._outcome_of(self._schedule(args), None))
         if self.is_async:
             fut = self._threads.submit(asyncio.run, self._acall_inline(*args))
-        elif self.timeout_s is None:
+        elif self._inline:
             return self._record(self._inline_outcome(args))
         else:
             fut = self._threads.submit(self._call_inline, *args)
@@ -263,7 +292,8 @@ class RewardRunner:
           `timeout_s` from when item i-1 ended (item 0: from when the job was
           queued). A hung item gets the `timeout` outcome and the items after it go
           to a new job; the hung thread cannot be killed and keeps running, as for
-          `score`. Without a timeout the items run in the caller's thread.
+          `score`. Without a timeout, or marked `@inline_reward`, the items run in
+          the caller's thread.
 
         Closing the iterator early (the rollout worker stops at the first failure)
         cancels the items not started yet; closing the runner before an async group's
@@ -356,7 +386,7 @@ class RewardRunner:
 
     def _iter_in_order(self, calls: list[tuple[Any, ...]]) -> Iterator[RewardOutcome]:
         """`iter_scores` of a sync reward: one pool-thread job, a new one after a hang."""
-        if self.timeout_s is None:
+        if self._inline:
             for args in calls:
                 yield self._record(self._inline_outcome(args))
             return
