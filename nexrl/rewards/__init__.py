@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nexrl.data import import_object
-from nexrl.rewards.runner import inline_reward
+from nexrl.rewards.calls import inline_reward
 
 RewardFn = Callable[..., float]
 
