@@ -23,7 +23,7 @@ def inline_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
     bounded by the size of its input): `RewardRunner` then calls it in the caller's
     thread, with no timeout, instead of hopping to a thread that can time it out. The
     built-in string rewards are marked; leave anything that may hang unmarked."""
-    if inspect.iscoroutinefunction(fn):
+    if _is_async(fn):
         raise TypeError(f"inline_reward marks synchronous rewards; {fn!r} is async")
     setattr(fn, _INLINE_MARK, True)
     return fn

@@ -190,39 +190,37 @@ def test_without_timeout_a_sync_reward_runs_in_the_callers_thread() -> None:
     assert threads == [threading.get_ident()] * 4
 
 
-def _threads_of(reward, **runner_kwargs) -> set[int]:
-    """The threads that ran `reward` for one `score` and one `score_many` of 3 items."""
+def _threads_of(marked: bool, **runner_kwargs) -> set[int]:
+    """The threads that ran a reward (marked `@inline_reward` or not) for one `score`
+    and one `score_many` of 3 items."""
     threads = set()
 
     def where(prompt, completion, **row):
         threads.add(threading.get_ident())
-        return reward(prompt, completion, **row)
+        return 1.0
 
-    if getattr(reward, "__nexrl_inline_reward__", False):
-        inline_reward(where)
-    with RewardRunner(where, **runner_kwargs) as runner:
-        assert runner.score("p", "c", row={"answer": "c"}).reward == 1.0
-        items = [RewardCall("p", "c", row={"answer": "c"})] * 3
-        assert [o.reward for o in runner.score_many(items)] == [1.0] * 3
+    with RewardRunner(inline_reward(where) if marked else where, **runner_kwargs) as runner:
+        assert runner.score("p", "c").reward == 1.0
+        assert [o.reward for o in runner.score_many([RewardCall("p", "c")] * 3)] == [1.0] * 3
         assert runner.stats["calls"] == 4
     return threads
 
 
-@pytest.mark.parametrize("reward", [shift_letters, exact_match])
-def test_an_inline_reward_runs_in_the_callers_thread_despite_a_timeout(reward) -> None:
-    """The built-in string rewards cannot outlive a timeout: no hop to a timing thread."""
-    assert _threads_of(reward, timeout_s=30.0) == {threading.get_ident()}
-    with RewardRunner(reward) as runner:
-        assert runner.runs_inline
+def test_a_marked_reward_runs_in_the_callers_thread_despite_a_timeout() -> None:
+    assert _threads_of(True, timeout_s=30.0) == {threading.get_ident()}
 
 
 def test_an_unmarked_reward_under_a_timeout_runs_in_another_thread() -> None:
-    def plain(prompt, completion, **row):
-        return 1.0
+    assert threading.get_ident() not in _threads_of(False, timeout_s=30.0)
+    assert _threads_of(False, timeout_s=None) == {threading.get_ident()}
 
-    assert threading.get_ident() not in _threads_of(plain, timeout_s=30.0)
-    with RewardRunner(plain) as timed, RewardRunner(plain, timeout_s=None) as untimed:
-        assert not timed.runs_inline and untimed.runs_inline
+
+@pytest.mark.parametrize("reward", [shift_letters, exact_match])
+def test_the_builtin_string_rewards_run_inline(reward) -> None:
+    """They cannot outlive a timeout: no hop to a timing thread."""
+    with RewardRunner(reward, timeout_s=30.0) as runner:
+        assert runner.runs_inline
+        assert runner.score("abcd>", "bcde", row={"answer": "bcde"}).reward == 1.0
 
 
 @pytest.mark.parametrize("name", ["math", "gsm8k", "code"])
@@ -234,8 +232,13 @@ def test_rewards_that_may_hang_keep_their_timeout(name) -> None:
 
 
 def test_inline_reward_refuses_an_async_reward_and_the_pool_ignores_the_mark() -> None:
-    with pytest.raises(TypeError, match="synchronous"):
-        inline_reward(async_reward)
+    class AsyncJudge:
+        async def __call__(self, prompt, completion, **row):
+            return 1.0
+
+    for reward in (async_reward, AsyncJudge()):
+        with pytest.raises(TypeError, match="synchronous"):
+            inline_reward(reward)
     with RewardRunner(shift_letters, use_process_pool=True, max_workers=1) as pooled:
         assert not pooled.runs_inline
 
