@@ -6,6 +6,12 @@ temperature 1, GRPO advantages (r - group mean) / (group std + 1e-6), PPO-clip a
 ratio 1 (one update per batch) with token-mean aggregation and entropy bonus 0.03,
 AdamW lr 3e-4, grad clip 1.0 - the default config. The minimal loop below is the
 floor: HF `generate`, reward, one torch forward / backward / step, nothing else.
+Both run on the process's torch thread count (torch's default, the cores; `--threads
+N` sets it): the minimal loop computes with it, and nexrl's engine and trainer follow
+their own `threads` rule (one thread for a model under 1M parameters on a CPU,
+docs/training.md). Runs before 2026-11-27 set one thread for the whole process, which
+slowed the minimal loop more than nexrl (its update took 0.106-0.124 s on two threads
+of 2 cores and 0.145-0.153 s on one).
 
 Runs, one after the other in one process: minimal loop, nexrl sync, nexrl
 fully-async (staleness 1, in-flight weight updates) with the trainer in this process
@@ -289,13 +295,21 @@ def parser() -> argparse.ArgumentParser:
         default="tiny",
         help="micro: next to no arithmetic, each side's host overhead (see above)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the process (default: torch's own, the cores); nexrl's "
+        "engine and trainer then follow their `threads` rule",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    torch.set_num_threads(1)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     prompts, group, steps = (4, 4, 2) if args.smoke else (16, 16, args.steps)
     tmp = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     train_path, _ = write_task("shift_letters", tmp / "data")
@@ -376,8 +390,9 @@ def write(
     load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
     lines = [
         *section_head(),
-        f"Load average at the end: {load}. torch threads: 1. Runs per side: {seeds}"
-        " (figures: medians over them).",
+        f"Load average at the end: {load}. torch threads: {torch.get_num_threads()} (the "
+        "minimal loop; nexrl's engine and trainer: their `threads` rule). Runs per side: "
+        f"{seeds} (figures: medians over them).",
         "",
         "| run | steps | median s/step | rollout s | update s | steps to 0.9 | s to 0.9 "
         "| s to 0.9 of each run | final reward (last 5) | start-up s | wall s to 0.9 with it |",

@@ -60,6 +60,7 @@ from nexrl.inference.weights import (
     load_weights_into,
     state_dict_from_meta,
 )
+from nexrl.models.threads import threads_for
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,6 @@ class Engine:
         prefix_cache_gib: float = 0.25,
         cuda_graphs: bool = True,
     ) -> None:
-        if threads is not None and int(threads) < 1:
-            raise ValueError(f"engine option threads must be >= 1, got {threads}")
-        self.threads = None if threads is None else int(threads)
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
 
@@ -100,6 +98,7 @@ class Engine:
         self.model_path = str(model_path)
         model, tok = model_and_tokenizer or load_model_and_tokenizer(model_path, dtype, device)
         self.model, self.tokenizer = model, tok
+        self.threads = threads_for(model, threads, "engine option threads")
         # the cache is (max_batch_size, max_model_len) rows: sized by the budget, never by
         # the model's context (see model_runner.plan_kv_cache)
         dtype_t = next(model.parameters()).dtype

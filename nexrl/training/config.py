@@ -95,6 +95,9 @@ class EngineConfig:
     """HF attention backend ("sdpa", "eager", "flash_attention_2"); None lets HF choose."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Passed to from_pretrained as keyword arguments (e.g. trust_remote_code)."""
+    threads: int | None = None
+    """Torch threads of the thread that runs the update; null: 1 for a model under 1M
+    parameters on a CPU (faster beside the engine, docs/training.md), else torch's count."""
 
     def __post_init__(self) -> None:
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
@@ -109,6 +112,8 @@ class EngineConfig:
             self.lora = _lora_options(self.lora)
         if self.lr_schedule == "cosine" and not self.total_steps:
             raise ValueError("engine config: lr_schedule='cosine' needs total_steps > 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"engine config: threads must be >= 1, got {self.threads}")
         if self.micro_batch_tokens <= 0:
             raise ValueError(
                 f"engine config: micro_batch_tokens must be > 0, got {self.micro_batch_tokens}"

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from nexrl.algorithms.objective import compute_loss
 from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_state_dict
 from nexrl.models.sources import resolve_model
+from nexrl.models.threads import threads_for, use_threads
 from nexrl.training import checkpoint
 from nexrl.training.config import EngineConfig
 from nexrl.training.masks import dense_masks_apply, model_attention_mask
@@ -75,6 +76,7 @@ class TorchTrainEngine:
             self.model = apply_lora(self.model, self.config.lora)
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
+        self._threads = threads_for(self.model, self.config.threads, "train_worker.engine.threads")
         self.optimizer = make_adamw(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
@@ -115,6 +117,7 @@ class TorchTrainEngine:
         return self._no_grad_pass(self.ref_model, batch, entropy=False)[0]
 
     def _no_grad_pass(self, model, batch: Batch, entropy: bool):
+        use_threads(self._threads)
         values = _tensors(batch, ("input_ids", "attention_mask"), self.device)
         if self.config.logprob_positions == "response" and "loss_mask" not in values:
             raise KeyError("logprob_positions='response' needs the batch field 'loss_mask'")
@@ -240,6 +243,7 @@ class TorchTrainEngine:
         tokens through the model: fewer than `tokens` with a shared prefix) and the loss's
         metrics.
         """
+        use_threads(self._threads)
         loss_kwargs = dict(loss_kwargs or {})
         values = _tensors(batch, TRAIN_KEYS, self.device)
         mask = values["loss_mask"].float()

@@ -138,9 +138,9 @@ def test_validation_with_several_samples_logs_pass_at_k(small_config):
 
 def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):
     """`service.inference_service.engine.*` builds the run's engine: a bf16 engine on the
-    torch matmul and attention paths, on one thread of its own, samples a fp32-trained
-    policy, and its logprobs stay within bf16 rounding of the trainer's (the gap the IS
-    correction is for)."""
+    torch matmul and attention paths, on two torch threads of its own (the tiny model
+    would get one), samples a fp32-trained policy, and its logprobs stay within bf16
+    rounding of the trainer's (the gap the IS correction is for)."""
     import torch
     import torch.nn.functional as F
 
@@ -152,7 +152,8 @@ def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):
             "+service.inference_service.engine.matmul=torch",
             "+service.inference_service.engine.native_attention=false",
             "+service.inference_service.engine.max_prefill_tokens=256",
-            "+service.inference_service.engine.threads=1",
+            "+service.inference_service.engine.threads=2",
+            "train_worker.engine.threads=2",  # the trainer likewise
         )
     )
     (engine,) = client._local_engines.values()
@@ -160,7 +161,7 @@ def test_engine_options_from_the_config_reach_the_built_in_engine(small_config):
     assert runner.dtype == torch.bfloat16
     assert runner.native_attention is None and runner.fused is None and runner.linear is F.linear
     assert engine.max_prefill_tokens == 256
-    assert engine._command(torch.get_num_threads) == 1
+    assert engine._command(torch.get_num_threads) == 2
     controller.run()
     lines = read_metrics(controller.run_dir)
     step2 = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)

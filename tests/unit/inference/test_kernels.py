@@ -254,12 +254,14 @@ def test_bf16_engine_decodes_close_to_the_fp32_trainer(
         engine.shutdown()
 
 
-def test_engine_threads_size_the_engine_threads_team_only(tiny_path):
-    """`threads` applies to the engine's own thread; the caller's count is left alone."""
+@pytest.mark.parametrize(("threads", "expected"), [(2, 2), (None, 1)])
+def test_engine_threads_size_the_engine_threads_team_only(tiny_path, threads, expected):
+    """`threads` applies to the engine's own thread; unset, a model under 1M parameters on
+    a CPU (the tiny one) gets one. The caller's count is left alone."""
     before = torch.get_num_threads()
-    engine = Engine(tiny_path, max_batch_size=4, threads=1)
+    engine = Engine(tiny_path, max_batch_size=4, threads=threads)
     try:
-        assert engine._command(torch.get_num_threads) == 1
+        assert engine._command(torch.get_num_threads) == expected
         assert torch.get_num_threads() == before
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
         out = engine.generate(GenerationRequest([5, 6], params))

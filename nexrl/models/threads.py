@@ -1,0 +1,38 @@
+"""Torch threads for the thread that runs a model: one for a small model on a CPU.
+
+A local run computes on two threads of one process, the engine's and the trainer's,
+each with an OpenMP team of torch's thread count, beside the pipeline's other threads
+(rollout workers, the processor). On 2 cores the tiny model's update alone was faster
+on two threads, but inside a sync run it was faster on one: for ops of a few hundred
+microseconds the teams' synchronisation with more threads than cores costs more than
+the second thread gains (the likely cause; not isolated further). Measured in sync
+runs on 2 cores (docs/performance.md, "Torch threads for a small model"): at 3.3k and
+451k parameters one thread was faster, at 3.2M, 12.6M and 135M torch's count was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SMALL_MODEL_PARAMS = 1_000_000
+"""Below this many parameters a CPU model runs on one torch thread (unless set)."""
+
+
+def threads_for(model: torch.nn.Module, threads: int | None, key: str = "threads") -> int | None:
+    """The thread count for the thread that runs `model`: `threads` when set (>= 1; `key`
+    names the option in the error), else 1 for a CPU model under `SMALL_MODEL_PARAMS`
+    parameters, else None (torch's count, left as it is)."""
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"{key} must be >= 1, got {threads}")
+        return int(threads)
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu":
+        return None
+    return 1 if sum(p.numel() for p in params) < SMALL_MODEL_PARAMS else None
+
+
+def use_threads(threads: int | None) -> None:
+    """Set the calling thread's torch thread count to `threads` (None: leave it)."""
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,60 @@
+"""Torch threads of the thread that runs a model: one for a small CPU model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nexrl.models.threads import SMALL_MODEL_PARAMS, threads_for, use_threads
+from nexrl.training.synthetic import random_batch
+from nexrl.training.torch_engine import TorchTrainEngine
+
+
+def in_new_thread(fn, threads: int):
+    """Run `fn` on a fresh thread whose torch count is `threads`; its count after `fn`."""
+    seen = []
+
+    def body():
+        torch.set_num_threads(threads)
+        fn()
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def test_a_small_cpu_model_gets_one_thread_a_larger_one_keeps_torchs_count():
+    small = torch.nn.Linear(100, 100)
+    large = torch.nn.Linear(1000, SMALL_MODEL_PARAMS // 1000)  # just above the bound
+    assert threads_for(small, None) == 1
+    assert threads_for(large, None) is None
+    assert threads_for(small, 3) == 3 and threads_for(large, 2) == 2  # set: always wins
+    with pytest.raises(ValueError, match="train_worker.engine.threads must be >= 1"):
+        threads_for(small, 0, "train_worker.engine.threads")
+
+
+def test_use_threads_sets_the_calling_threads_count_only_when_given():
+    assert in_new_thread(lambda: use_threads(1), threads=2) == 1
+    assert in_new_thread(lambda: use_threads(None), threads=2) == 2
+
+
+@pytest.mark.parametrize(("option", "expected"), [(None, 1), (2, 2)])
+def test_the_trainer_runs_the_tiny_model_on_the_threads_the_rule_picks(
+    tiny_model_path, option, expected
+):
+    """Whichever thread calls the trainer computes on the rule's count: 1 for the tiny
+    model unless `train_worker.engine.threads` says otherwise."""
+    engine = TorchTrainEngine({"threads": option}, tiny_model_path)
+    batch = random_batch(4, 8, seed=0)
+    assert (
+        in_new_thread(
+            lambda: engine.train_batch(batch, "ppo_clip", {"clip_low": 0.2, "clip_high": 0.2}),
+            threads=3,
+        )
+        == expected
+    )
+    assert in_new_thread(lambda: engine.compute_logprobs(batch), threads=3) == expected
