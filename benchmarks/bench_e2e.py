@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     train_path, _ = write_task("shift_letters", tmp / "data")
     rows = [json.loads(x) for x in train_path.read_text().splitlines()]
     model = micro_model_path() if args.model == "micro" else default_model_path()
-    print(f"model: {model}", flush=True)
+    print(f"model: {model}\ntorch threads: {torch.get_num_threads()}", flush=True)
     seeds = [42 + i for i in range(max(1, args.seeds))]
     base = [
         f"output_dir={tmp / 'out'}",

@@ -142,8 +142,9 @@ def test_e2e_smoke_mode_on_the_micro_model(tmp_path: Path) -> None:
     bench = load_bench("bench_e2e.py")
     config = json.loads((bench.micro_model_path() / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (16, 1)
-    out = run_smoke("bench_e2e.py", "--model", "micro", "--out", str(tmp_path))
+    out = run_smoke("bench_e2e.py", "--model", "micro", "--threads", "1", "--out", str(tmp_path))
     assert f"model: {bench.micro_model_path()}" in out  # both sides train it
+    assert "torch threads: 1" in out  # `--threads` sets the process's count
     assert SMOKE_LINES["bench_e2e.py"] in out and not list(tmp_path.iterdir())
 
 

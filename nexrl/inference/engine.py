@@ -60,7 +60,7 @@ from nexrl.inference.weights import (
     load_weights_into,
     state_dict_from_meta,
 )
-from nexrl.models.threads import threads_for
+from nexrl.models.threads import threads_for, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class Engine:
             # thread beside the engine (a trainer, or a main thread that loaded the model on
             # several threads) makes every parallel region a sleep and wake-up: SmolLM2's
             # bf16 decode step at 64 rows took 106 instead of 51 ms on 2 threads of 2 cores.
-            torch.set_num_threads(self.threads)
+            use_threads(self.threads)  # this thread's count only
         while True:
             with self._cv:
                 while not self._has_work() and not self._stopping:

@@ -12,7 +12,13 @@ runs on 2 cores (docs/performance.md, "Torch threads for a small model"): at 3.3
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 SMALL_MODEL_PARAMS = 1_000_000
 """Below this many parameters a CPU model runs on one torch thread (unless set)."""
@@ -33,6 +39,21 @@ def threads_for(model: torch.nn.Module, threads: int | None, key: str = "threads
 
 
 def use_threads(threads: int | None) -> None:
-    """Set the calling thread's torch thread count to `threads` (None: leave it)."""
-    if threads is not None and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+    """Set the calling thread's torch thread count to `threads` (None: leave it), and
+    only that thread's. `torch.set_num_threads` also sets the count that a thread takes
+    when it first asks for one (its first parallel op or `get_num_threads`); this thread
+    has asked (the check below), so the process's count can be set back, from a short
+    thread of its own. A thread that starts its first op in between takes `threads`."""
+    if threads is None or torch.get_num_threads() == threads:
+        return
+    default = _in_fresh_thread(torch.get_num_threads)
+    torch.set_num_threads(threads)
+    _in_fresh_thread(lambda: torch.set_num_threads(default))
+
+
+def _in_fresh_thread(fn: Callable[[], T]) -> T:
+    out: list[T] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), name="nexrl-torch-threads")
+    thread.start()
+    thread.join()
+    return out[0]

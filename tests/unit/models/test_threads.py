@@ -12,14 +12,18 @@ from nexrl.training.synthetic import random_batch
 from nexrl.training.torch_engine import TorchTrainEngine
 
 
-def in_new_thread(fn, threads: int):
-    """Run `fn` on a fresh thread whose torch count is `threads`; its count after `fn`."""
+def in_new_thread(fn, threads: int | None):
+    """Run `fn` on a fresh thread whose torch count is `threads` (None: as it comes);
+    the thread's count after `fn`."""
     seen = []
 
     def body():
-        torch.set_num_threads(threads)
+        default = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
         fn()
         seen.append(torch.get_num_threads())
+        torch.set_num_threads(default)  # the count later threads take, as it was
 
     t = threading.Thread(target=body)
     t.start()
@@ -37,9 +41,14 @@ def test_a_small_cpu_model_gets_one_thread_a_larger_one_keeps_torchs_count():
         threads_for(small, 0, "train_worker.engine.threads")
 
 
-def test_use_threads_sets_the_calling_threads_count_only_when_given():
-    assert in_new_thread(lambda: use_threads(1), threads=2) == 1
-    assert in_new_thread(lambda: use_threads(None), threads=2) == 2
+def test_use_threads_sets_the_calling_threads_count_and_no_other_threads():
+    """torch.set_num_threads alone would also hand its count to every thread started
+    later; use_threads keeps it to the calling thread."""
+    default = in_new_thread(lambda: None, threads=None)
+    other = 2 if default == 1 else 1
+    assert in_new_thread(lambda: use_threads(other), threads=None) == other
+    assert in_new_thread(lambda: None, threads=None) == default  # a later thread: untouched
+    assert in_new_thread(lambda: use_threads(None), threads=None) == default
 
 
 @pytest.mark.parametrize(("option", "expected"), [(None, 1), (2, 2)])
