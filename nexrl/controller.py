@@ -56,6 +56,7 @@ from nexrl.distributed.recovery import (
     restart_loops,
 )
 from nexrl.execute import execute
+from nexrl.models.threads import release_workers
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
 from nexrl.run_setup import (
@@ -122,6 +123,7 @@ class NexRLController:
             for worker in s.train_workers:
                 execute(worker.initialize_workers)
             self._load_initial_checkpoint()
+        release_workers()  # loading's OpenMP team: idle teams keep the others from spinning
         validate_first = self._config.validate.validate_before_train
         if validate_first:  # switch workers to validation before their loops start
             self._start_validate(self._tag)

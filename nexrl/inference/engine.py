@@ -60,7 +60,7 @@ from nexrl.inference.weights import (
     load_weights_into,
     state_dict_from_meta,
 )
-from nexrl.models.threads import threads_for, use_threads
+from nexrl.models.threads import release_workers, threads_for, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +248,8 @@ class Engine:
             use_threads(self.threads)  # this thread's count only
         while True:
             with self._cv:
+                if not self._has_work() and not self._stopping:
+                    release_workers()  # idle: the trainer's team may spin meanwhile
                 while not self._has_work() and not self._stopping:
                     self._cv.wait()
                 if self._stopping:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import torch
 
-from nexrl.models.threads import SMALL_MODEL_PARAMS, threads_for, use_threads
+from nexrl.builders import engine_config
+from nexrl.config import load_config
+from nexrl.models.threads import SMALL_MODEL_PARAMS, release_workers, threads_for, use_threads
 from nexrl.training.synthetic import random_batch
 from nexrl.training.torch_engine import TorchTrainEngine
 
@@ -67,3 +71,48 @@ def test_the_trainer_runs_the_tiny_model_on_the_threads_the_rule_picks(
         == expected
     )
     assert in_new_thread(lambda: engine.compute_logprobs(batch), threads=3) == expected
+
+
+def native_threads() -> set[int]:
+    """This process's OS threads that are not Python threads (OpenMP workers among them)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+def test_release_workers_lets_the_calling_threads_openmp_workers_exit():
+    """A thread that ran a parallel op on two threads keeps an idle OpenMP worker, and
+    libgomp stops spinning for every team once idle ones push the process past its cores;
+    `release_workers` ends the calling thread's."""
+    seen: dict[str, set[int]] = {}
+
+    def body():
+        use_threads(2)
+        before = native_threads()
+        torch.ones(1_000_000).mul_(2)  # large enough to run on the team
+        seen["team"] = native_threads() - before
+        release_workers()
+        deadline = time.monotonic() + 5  # an exiting worker may linger in /proc a moment
+        while seen["team"] & native_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["left"] = seen["team"] & native_threads()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen["team"]  # the team's worker
+    assert not seen["left"]
+    assert release_workers() is None  # no team here: nothing to do, no error
+
+
+def config(tmp_path, *overrides):
+    return load_config([f"output_dir={tmp_path}", *overrides])
+
+
+def test_a_local_sync_run_gives_the_trainer_every_torch_thread(tmp_path):
+    """Sync mode takes turns, so the update gets the process's count; the other modes
+    keep the small-model rule (null), and a set value always wins."""
+    assert engine_config(config(tmp_path)).threads == torch.get_num_threads()
+    assert engine_config(config(tmp_path, "train_worker.engine.threads=3")).threads == 3
+    async_cfg = config(tmp_path, "weight.sync_mode=fully-async", "weight.staleness_threshold=1")
+    assert engine_config(async_cfg).threads is None
+    assert engine_config(config(tmp_path, "launch_mode=ray")).threads is None
