@@ -79,13 +79,16 @@ def release_workers() -> None:
 
 @functools.cache
 def _omp_pause_resource_all() -> Callable[[int], int] | None:
-    """`omp_pause_resource_all` of the OpenMP runtime torch loaded (None without one)."""
+    """`omp_pause_resource_all` of the GNU OpenMP runtime torch loaded (None without one).
+    Only libgomp's: there a hard pause ends the calling thread's team and no other; LLVM's
+    libomp shuts its whole runtime down, whatever other threads run on it."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    torch_lib = os.path.dirname(torch.__file__)
+    for path in sorted(paths, key=lambda p: (not p.startswith(torch_lib), p)):  # torch's first
         if os.path.exists(path):
             fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
             if fn is not None:
