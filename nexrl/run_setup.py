@@ -220,7 +220,7 @@ def retain_freed_heap() -> bool:
     By default glibc hands a heap's free top back to the OS once it passes a threshold
     that adapts to the sizes freed, and each train step's tensors were then mapped and
     zeroed again: 670 minor page faults per update of the tiny model (Zen 4, sync run),
-    10 with these settings. A process keeps at most `RUN_TRIM_THRESHOLD` free at a
+    under 1 with these settings. A process keeps at most `RUN_TRIM_THRESHOLD` free at a
     heap's top; `release_freed_memory` still trims it between runs. True where set
     (glibc)."""
     mallopt = _glibc("mallopt")
