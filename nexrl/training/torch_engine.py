@@ -194,10 +194,11 @@ class TorchTrainEngine:
         """The shared-prefix plan of `mb`, or None for the plain forward."""
         if select is None or not self._shared_prefix_allowed(hf_model):
             return None
-        # two suffix forwards by length only on a CPU: on an accelerator the second
-        # forward's launches can cost more than the padding it saves (not measured)
+        # on a CPU only (two suffix forwards by length, or one per prefix): unmeasured on
+        # an accelerator, where a second forward's launches can cost more than it saves
         on_cpu = self.device.type == "cpu"
-        plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select, on_cpu)
+        grouped = on_cpu and dense_masks_apply(hf_model)  # a grouped plan needs 4D masks
+        plan = plan_prefixes(mb["input_ids"], mb["attention_mask"], select, on_cpu, grouped)
         if plan is not None and self.config.shared_prefix is None:
             # auto: only when it computes fewer (padded) tokens than the plain forward; on
             # an accelerator, only when that saves more arithmetic than its second forward

@@ -62,6 +62,70 @@ def test_plan_groups_rows_by_prompt_and_counts_tokens():
     assert plan.model_tokens == sum(p for p, _, _ in GROUPS) + int(plan.suffix_mask.sum())
 
 
+def test_grouped_plan_puts_a_prefix_rows_back_to_back(monkeypatch):
+    v = grouped_batch().values
+    keys = (v["input_ids"], v["attention_mask"], v["loss_mask"])
+    plan = plan_prefixes(*keys, group_suffixes=True)
+    # suffix lengths per group: [2, 5, 0, 2] (row 1 trains up to its end), [3, 1, 3], [6], [4, 4]
+    assert plan.offsets.tolist() == [0, 2, 7, 7, 0, 3, 4, 0, 0, 4]
+    assert plan.grouped and plan.group_width == 9
+    assert plan.padded_tokens == plan.prefix_mask.numel() + len(GROUPS) * 9
+    assert not plan_prefixes(*keys).grouped  # not asked for
+    monkeypatch.setattr(shared_prefix, "GROUP_MAX_TOKENS", 8)
+    assert not plan_prefixes(*keys, group_suffixes=True).grouped  # past the longest allowed
+
+
+def test_grouped_mask_shows_each_query_the_prefix_and_its_own_row():
+    prefix_mask = torch.tensor([[1, 1, 0]])
+    owner = torch.tensor([[4, 4, 7, 7, 7, -1]])  # rows 4 and 7 of the batch, then padding
+    mask = shared_prefix.grouped_suffix_mask(prefix_mask, owner)
+    assert mask.shape == (1, 1, 6, 9)
+    expected = torch.tensor(
+        [
+            [1, 1, 0, 1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 1, 1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 1, 1, 1, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0, 1],  # padding: the prefix and itself, nothing reads it
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_a_grouped_plan_needs_dense_masks(tiny_model):
+    v = grouped_batch().values
+    plan = plan_prefixes(v["input_ids"], v["attention_mask"], v["loss_mask"], group_suffixes=True)
+    eng = engine(tiny_model)
+    head = eng.model.lm_head.weight
+    with pytest.raises(ValueError, match="4D masks"):
+        shared_prefix.shared_prefix_logprobs(eng.model, head, v["input_ids"], plan)
+
+
+@pytest.fixture(params=["grouped", "per-row"])
+def layout(request, monkeypatch) -> dict[str, int | str]:
+    """Each suffix layout in turn (`GROUP_MAX_TOKENS` 0: per row); counts the forwards of
+    each, so that a test can check which one ran."""
+    if request.param == "per-row":
+        monkeypatch.setattr(shared_prefix, "GROUP_MAX_TOKENS", 0)
+    ran = {"asked": request.param, "grouped": 0, "per-row": 0}
+    for name, key in (("_grouped_suffix_hidden", "grouped"), ("_row_suffix_hidden", "per-row")):
+        real = getattr(shared_prefix, name)
+
+        def counting(*args, _real=real, _key=key, **kwargs):
+            ran[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(shared_prefix, name, counting)
+    return ran
+
+
+def only_ran(layout: dict[str, int | str], expected: str) -> bool:
+    other = "per-row" if expected == "grouped" else "grouped"
+    return layout[expected] > 0 and layout[other] == 0
+
+
 def test_no_shared_prefix_means_no_plan():
     v = grouped_batch().values
     distinct = [0, 4, 7, 8]  # one row of each group
@@ -78,7 +142,7 @@ def test_no_shared_prefix_means_no_plan():
         {"attn_implementation": "eager"},
     ],
 )
-def test_logprobs_and_entropy_equal_the_plain_path(tiny_model, config):
+def test_logprobs_and_entropy_equal_the_plain_path(tiny_model, config, layout):
     batch = grouped_batch()
     shared = engine(tiny_model, shared_prefix=True, **config)
     plain = engine(tiny_model, shared_prefix=False, **config)
@@ -88,10 +152,12 @@ def test_logprobs_and_entropy_equal_the_plain_path(tiny_model, config):
         torch.testing.assert_close(ours[mask], ref[mask], atol=1e-5, rtol=1e-5)
         assert (ours[~mask] == 0).all() and ours[mask].abs().min() > 0
     assert shared._model_tokens < plain._model_tokens
+    eager = config.get("attn_implementation") == "eager"  # no 4D masks: per row
+    assert only_ran(layout, "per-row" if eager else layout["asked"])
 
 
 @pytest.mark.parametrize("lora", [None, {"rank": 4}])
-def test_train_step_gives_the_plain_gradients_and_update(tiny_model, lora):
+def test_train_step_gives_the_plain_gradients_and_update(tiny_model, lora, layout):
     batch = grouped_batch(seed=1)
     # AdamW's first step moves a weight by lr * g / (|g| + eps): with the default eps a
     # gradient of ~1e-9 moves it by a sizeable part of lr, so float rounding in such a
@@ -114,6 +180,7 @@ def test_train_step_gives_the_plain_gradients_and_update(tiny_model, lora):
     params_b = dict(b.model.named_parameters())
     for name, p in a.model.named_parameters():
         torch.testing.assert_close(p, params_b[name], atol=1e-5, rtol=1e-5)
+    assert only_ran(layout, layout["asked"])
 
 
 def one_long_suffix_batch() -> Batch:
@@ -150,6 +217,7 @@ def test_a_few_long_suffixes_go_in_a_forward_of_their_own():
 
 def test_split_suffix_forwards_give_the_plain_logprobs_and_gradients(tiny_model, monkeypatch):
     calls = spy(monkeypatch)
+    monkeypatch.setattr(shared_prefix, "GROUP_MAX_TOKENS", 0)  # the per-row layout splits
     batch = one_long_suffix_batch()
     a = engine(tiny_model, shared_prefix=True, eps=1e-3)
     b = engine(tiny_model, shared_prefix=False, eps=1e-3)
