@@ -132,3 +132,33 @@ def test_a_remote_client_retries_the_openai_sdks_transient_errors():
     assert retry(openai.APIConnectionError(request=request))
     assert retry(httpx.ConnectError("refused"))
     assert not retry(ValueError("bad request"))
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 3])
+def test_transport_errors_are_retried_max_retries_times_with_growing_waits(
+    max_retries, monkeypatch
+):
+    """The first try is a plain call; after it, `max_retries` more, waiting 0.1 s, then
+    twice as long each time; a bad request (ValueError) is never retried."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    client = LLMServiceClient({"backend": "builtin", "max_retries": max_retries}, engine=object())
+    calls: list[int] = []
+
+    def flaky(fail_times: int, error: type[Exception] = ConnectionError) -> str:
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise error("engine gone")
+        return "ok"
+
+    assert client._retrying(flaky, max_retries) == "ok"  # the last allowed try succeeds
+    assert len(calls) == max_retries + 1
+    assert sleeps == pytest.approx([0.1 * 2**k for k in range(max_retries)])
+    calls.clear()
+    with pytest.raises(ConnectionError, match="engine gone"):
+        client._retrying(flaky, max_retries + 1)
+    assert len(calls) == max_retries + 1
+    calls.clear()
+    with pytest.raises(ValueError):
+        client._retrying(flaky, 5, ValueError)
+    assert len(calls) == 1
