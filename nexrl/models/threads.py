@@ -1,4 +1,5 @@
-"""Torch threads for the thread that runs a model: one for a small model on a CPU.
+"""Torch threads for the thread that runs a model: one for a small model on a CPU, and
+one for a model on an accelerator.
 
 A local run computes on two threads of one process, the engine's and the trainer's,
 each with an OpenMP team of torch's thread count, beside the pipeline's other threads
@@ -31,15 +32,22 @@ SMALL_MODEL_PARAMS = 1_000_000
 
 def threads_for(model: torch.nn.Module, threads: int | None, key: str = "threads") -> int | None:
     """The thread count for the thread that runs `model`: `threads` when set (>= 1; `key`
-    names the option in the error), else 1 for a CPU model under `SMALL_MODEL_PARAMS`
-    parameters, else None (torch's count, left as it is)."""
+    names the option in the error); else 1 for a model on an accelerator, or a CPU model
+    under `SMALL_MODEL_PARAMS` parameters; else None (torch's count, left as it is).
+
+    On an accelerator the thread's own torch work is bookkeeping between kernel launches:
+    a team of torch's count (every core of the host) only spins after each parallel
+    region, on cores that the interpreter's threads need (vLLM's GPU workers serve on one
+    thread for the same reason)."""
     if threads is not None:
         if int(threads) < 1:
             raise ValueError(f"{key} must be >= 1, got {threads}")
         return int(threads)
     params = list(model.parameters())
-    if not params or params[0].device.type != "cpu":
+    if not params:
         return None
+    if params[0].device.type != "cpu":
+        return 1
     return 1 if sum(p.numel() for p in params) < SMALL_MODEL_PARAMS else None
 
 

@@ -96,9 +96,10 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     """Passed to from_pretrained as keyword arguments (e.g. trust_remote_code)."""
     threads: int | None = None
-    """Torch threads of the thread that runs the update; null: torch's count in a local
-    sync run (the engine waits meanwhile), otherwise 1 for a model under 1M parameters on
-    a CPU (faster beside the engine, docs/training.md), else torch's count."""
+    """Torch threads of the thread that runs the update; null: 1 on a GPU; on a CPU,
+    torch's count in a local sync run (the engine waits meanwhile), otherwise 1 for a
+    model under 1M parameters (faster beside the engine, docs/training.md), else torch's
+    count."""
 
     def __post_init__(self) -> None:
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)

@@ -46,6 +46,14 @@ def test_a_small_cpu_model_gets_one_thread_a_larger_one_keeps_torchs_count():
         threads_for(small, 0, "train_worker.engine.threads")
 
 
+def test_a_model_on_an_accelerator_gets_one_thread_unless_set():
+    """Its thread only launches kernels; whatever its size (the meta device stands in
+    for a GPU: any device but the CPU)."""
+    large = torch.nn.Linear(1000, SMALL_MODEL_PARAMS // 1000, device="meta")
+    assert threads_for(large, None) == 1
+    assert threads_for(large, 4) == 4
+
+
 def test_use_threads_sets_the_calling_threads_count_and_no_other_threads():
     """torch.set_num_threads alone would also hand its count to every thread started
     later; use_threads keeps it to the calling thread."""
@@ -138,3 +146,11 @@ def test_a_local_sync_run_gives_the_trainer_every_torch_thread(tmp_path):
     async_cfg = config(tmp_path, "weight.sync_mode=fully-async", "weight.staleness_threshold=1")
     assert engine_config(async_cfg).threads is None
     assert engine_config(config(tmp_path, "launch_mode=ray")).threads is None
+
+
+def test_a_sync_run_on_a_gpu_leaves_the_trainers_threads_to_the_rule(tmp_path, monkeypatch):
+    """The trainer takes the GPU whenever there is one; there it gets one thread
+    (`threads_for`), not every core of the host."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_config(config(tmp_path)).threads is None
+    assert engine_config(config(tmp_path, "train_worker.engine.threads=3")).threads == 3
