@@ -104,8 +104,8 @@ def build_algorithm_processor(cfg: DictConfig) -> Any:
 def engine_config(cfg: DictConfig) -> Any:
     """The train engine section, with `total_steps` defaulting to the run's step count
     and, in a local sync run on a CPU, `threads` to the process's torch threads: the
-    engine and the trainer take turns there, so the update has every core. A trainer on
-    a GPU (the engine takes one whenever there is one) keeps the rule of `threads_for`
+    engine and the trainer take turns there, so the update has every core. The trainer
+    takes a GPU whenever there is one, and there it keeps the rule of `threads_for`
     (docs/training.md)."""
     engine = section(cfg.train_worker.engine)
     engine.total_steps = engine.total_steps or cfg.train_worker.total_train_steps

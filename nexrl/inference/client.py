@@ -278,7 +278,8 @@ class LLMServiceClient:
         """Call `fn`, retrying transport errors (never ValueError: a bad request stays bad).
 
         The first try is a plain call: tenacity's bookkeeping costs ~14 us a call (Zen 4),
-        held under the interpreter lock, and a rollout step makes a call per sample."""
+        held under the interpreter lock, and every rollout request (a group, an agent's
+        turn) makes one."""
         try:
             return fn(*args)
         except self._transient:
