@@ -27,6 +27,7 @@ padding removal one operation instead of three.
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -159,9 +160,16 @@ class Batch:
 
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], **metadata: Any) -> Batch:
-        keys = dict.fromkeys(k for traj in trajectories for k in traj)  # first-seen order
-        values = {k: [traj.get(k) for traj in trajectories] for k in keys}
-        return cls(values=values, metadata={"batch_size": len(trajectories), **metadata})
+        """Columns of `trajectories`: every key any of them has (first-seen order), None
+        where one lacks it."""
+        metadata = {"batch_size": len(trajectories), **metadata}
+        shape = trajectories[0].keys() if trajectories else None
+        if shape is not None and len(shape) > 1 and all(t.keys() == shape for t in trajectories):
+            keys = list(shape)  # the usual batch, one shape: a tuple per row, then transposed
+            columns = zip(*map(operator.itemgetter(*keys), trajectories), strict=True)
+            return cls(dict(zip(keys, map(list, columns), strict=True)), metadata)
+        keys = dict.fromkeys(k for traj in trajectories for k in traj)
+        return cls({k: [traj.get(k) for traj in trajectories] for k in keys}, metadata)
 
     def to_trajectories(self) -> list[Trajectory]:
         return [{k: v[i] for k, v in self.values.items()} for i in range(len(self))]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,20 +34,27 @@ SAMPLE_ROWS = 32  # completions a batch carries for the trackers' sample table (
 # `logger.sample_rows` of them, every `logger.sample_every` steps)
 
 
+Columns = Mapping[str, list]
+"""A batch as the pool hands it on (`Batch.values`): one list per trajectory key, one
+entry per sample (None where a trajectory lacks the key)."""
+
+
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, T) tensors of `trajectories` (see `collate_columns`)."""
+    return collate_columns(Batch.from_trajectories(trajectories).values, pad_token_id)
+
+
+def collate_columns(columns: Columns, pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded (B, T) tensors: prompt + response, masks and behaviour logprobs.
 
     Every field's values are laid out flat, row after row, and written into the padded
     array in one masked assignment: a batch is hundreds of short rows, and per-row work
     (tensor ops, or padding lists) costs more than the data."""
-    prompts = [t["prompt_ids"] for t in trajectories]
-    responses = [t["response_ids"] for t in trajectories]
-    masks, logprobs = [], []
-    for traj, r in zip(trajectories, responses, strict=True):
-        mask = traj.get("loss_mask") or [1.0] * len(r)
-        _check_lengths(traj, len(r), mask, traj["response_logprobs"])
-        masks.append(mask)
-        logprobs.append(traj["response_logprobs"])
+    prompts, responses = columns["prompt_ids"], columns["response_ids"]
+    logprobs = columns["response_logprobs"]
+    given = _column(columns, "loss_mask")
+    masks = [m or [1.0] * len(r) for m, r in zip(given, responses, strict=True)]
+    _check_lengths(columns, responses, masks, logprobs)
     p_len = np.fromiter(map(len, prompts), np.int64, len(prompts))
     lengths = p_len + np.fromiter(map(len, responses), np.int64, len(responses))
     cols = np.arange(int(lengths.max()))
@@ -66,19 +74,32 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torc
     }
 
 
+def _column(columns: Columns, key: str) -> list:
+    """`columns[key]`, or a None per sample when no trajectory has `key`."""
+    values = columns.get(key)
+    return [None] * _size(columns) if values is None else values
+
+
+def _size(columns: Columns) -> int:
+    return len(next(iter(columns.values()), []))
+
+
 def _flat(rows: list, dtype: type) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype)
 
 
-def _check_lengths(traj: Trajectory, n: int, mask: list, logprobs: list) -> None:
-    if len(mask) == n and len(logprobs) == n:
+def _check_lengths(columns: Columns, responses: list, masks: list, logprobs: list) -> None:
+    """One token count check for the batch; the first bad row is named."""
+    n = list(map(len, responses))
+    if list(map(len, masks)) == n and list(map(len, logprobs)) == n:
         return
-    for key, values in (("loss_mask", mask), ("response_logprobs", logprobs)):
-        if len(values) != n:
-            raise ValueError(
-                f"trajectory uid={traj.get('uid')!r}: {key} has {len(values)} entries for "
-                f"{n} response_ids (one per response token)"
-            )
+    for i, count in enumerate(n):
+        for key, values in (("loss_mask", masks[i]), ("response_logprobs", logprobs[i])):
+            if len(values) != count:
+                raise ValueError(
+                    f"trajectory uid={_column(columns, 'uid')[i]!r}: {key} has {len(values)} "
+                    f"entries for {count} response_ids (one per response token)"
+                )
 
 
 def group_index(uids: list[Any]) -> torch.Tensor:
@@ -87,74 +108,83 @@ def group_index(uids: list[Any]) -> torch.Tensor:
     return torch.tensor([seen.setdefault(u, len(seen)) for u in uids], dtype=torch.long)
 
 
-def reward_of(traj: Trajectory) -> float:
-    """The trajectory's scalar reward; a clear error when a worker set none."""
-    reward = traj.get("reward")
-    if reward is None:
+def rewards_of(columns: Columns) -> list[float]:
+    """Each sample's scalar reward; a clear error naming the first task whose worker set
+    none."""
+    rewards = _column(columns, "reward")
+    if None in rewards:
+        uid = _column(columns, "uid")[rewards.index(None)]
         raise ValueError(
-            f"trajectory of task {traj.get('uid')!r} has no 'reward': use a rollout worker "
+            f"trajectory of task {uid!r} has no 'reward': use a rollout worker "
             "with a reward_fn (rollout_worker.type=single_turn) or set it in your worker"
         )
-    return float(reward)
+    return [float(r) for r in rewards]
 
 
-def score_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+def score_metrics(columns: Columns) -> dict[str, float]:
     """`reward/<name>`: the mean of each named reward component (`scores`) that occurs."""
-    names = sorted({k for t in trajectories for k in (t.get("scores") or {})})
+    scores = [s for s in _column(columns, "scores") if s]
+    names = sorted({k for s in scores for k in s})
     return {
-        f"reward/{name}": statistics.fmean(
-            float(t["scores"][name]) for t in trajectories if name in (t.get("scores") or {})
-        )
+        f"reward/{name}": statistics.fmean(float(s[name]) for s in scores if name in s)
         for name in names
     }
 
 
-def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+def agent_metrics(columns: Columns) -> dict[str, float]:
     """Means over the batch of each multi-turn episode metric (`agent_metrics` of a
     trajectory: turns, tool calls, parse failures, time in the environment, ...)."""
-    names = sorted({k for t in trajectories for k in (t.get("agent_metrics") or {})})
+    episodes = [m for m in _column(columns, "agent_metrics") if m]
+    names = sorted({k for m in episodes for k in m})
     out = {}
     for name in names:
-        episodes = [t.get("agent_metrics") or {} for t in trajectories]
         nums = [float(m[name]) for m in episodes if isinstance(m.get(name), int | float)]
         if nums:
             out[name if "/" in name else f"agent/{name}"] = statistics.fmean(nums)
     return out
 
 
-def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    rewards = [reward_of(t) for t in trajectories]
-    lengths = [len(t["response_ids"]) for t in trajectories]
+def rollout_metrics(columns: Columns) -> dict[str, float]:
+    rewards = rewards_of(columns)
     return {
-        **score_metrics(trajectories),
-        **agent_metrics(trajectories),
+        **score_metrics(columns),
+        **agent_metrics(columns),
         "reward/mean": statistics.fmean(rewards),
         "reward/max": max(rewards),
         "reward/min": min(rewards),
-        "response_length/mean": statistics.fmean(lengths),
+        "response_length/mean": statistics.fmean(map(len, columns["response_ids"])),
         "response/truncated_frac": statistics.fmean(
-            t["finish_reason"] == "length" for t in trajectories
+            r == "length" for r in _column(columns, "finish_reason")
         ),
     }
 
 
-def async_metrics(trajectories: list[Trajectory], metadata: dict[str, Any]) -> dict[str, float]:
+def async_metrics(columns: Columns, metadata: dict[str, Any]) -> dict[str, float]:
     """Per-batch asynchronous-rollout counts (docs/async.md): stale groups dropped while
     this batch formed, weight-push aborts its groups went through, and samples that were
     continued on newer weights (partial rollout)."""
-    uids: dict[Any, int] = {}
-    for t in trajectories:
-        uids[t["uid"]] = int(t.get("rollout_aborts") or 0)
+    aborts = dict(zip(_column(columns, "uid"), _column(columns, "rollout_aborts"), strict=True))
     return {
         "staleness/dropped": float(metadata.get("staleness_dropped", 0)),
-        "rollout/aborts": float(sum(uids.values())),
+        "rollout/aborts": float(sum(int(a or 0) for a in aborts.values())),
         "rollout/partial_continuations": float(
-            sum(int(t.get("continuations") or 0) for t in trajectories)
+            sum(int(c or 0) for c in _column(columns, "continuations"))
         ),
         "rollout/multi_version_frac": statistics.fmean(
-            len(set(t.get("token_versions") or [])) > 1 for t in trajectories
+            len(set(v or [])) > 1 for v in _column(columns, "token_versions")
         ),
     }
+
+
+def min_token_versions(columns: Columns) -> list[int]:
+    """Per sample, the oldest weight version that sampled one of its tokens."""
+    model = columns["model_version"]
+    return [min(v or [m]) for v, m in zip(_column(columns, "token_versions"), model, strict=True)]
+
+
+def first_rows(columns: Columns, n: int) -> list[Trajectory]:
+    """The first `n` samples as trajectories (without building the rest)."""
+    return [{k: v[i] for k, v in columns.items()} for i in range(min(n, _size(columns)))]
 
 
 @dataclass(frozen=True)
@@ -170,7 +200,8 @@ class BaseAlgorithmProcessor(LoopModule):
     """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool.
 
     A processor written as in seed 000 overrides `_fit(batch, update_fn)` only; it can
-    use `collate` and `self.pad_token_id` to build the token-level layout.
+    use `collate` (on `batch.to_trajectories()`) or `collate_columns` (on `batch.values`,
+    no dict per sample) and `self.pad_token_id` to build the token-level layout.
     """
 
     def __init__(self, config: AlgorithmConfig, context: ProcessorContext) -> None:
@@ -227,12 +258,12 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         self._estimator_kwargs = dict(config.advantage_kwargs or {})
 
     def _shaped_rewards(
-        self, trajectories: list[Trajectory], values: dict[str, Any]
+        self, columns: Columns, values: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, extra = self._config, {}
-        rewards = torch.tensor([reward_of(t) for t in trajectories])
+        rewards = torch.tensor(rewards_of(columns))
         if cfg.overlong_buffer_len > 0:
-            lengths = torch.tensor([len(t["response_ids"]) for t in trajectories])
+            lengths = torch.tensor(list(map(len, columns["response_ids"])))
             rewards = rewards + overlong_penalty(
                 lengths,
                 self._context.max_tokens,
@@ -259,32 +290,26 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         return rewards, extra
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
-        trajectories = batch.to_trajectories()
-        values = collate(trajectories, self.pad_token_id)
+        columns = batch.values  # the pool's batch is columns: no trajectory dict per sample
+        values = collate_columns(columns, self.pad_token_id)
         if self._config.mask_truncated:
-            finish = [t["finish_reason"] for t in trajectories]
-            values["loss_mask"] = mask_truncated(values["loss_mask"], finish)
-        rewards, shaping_metrics = self._shaped_rewards(trajectories, values)
+            values["loss_mask"] = mask_truncated(values["loss_mask"], columns["finish_reason"])
+        rewards, shaping_metrics = self._shaped_rewards(columns, values)
         values["rewards"] = rewards
         values["advantages"] = self._estimator(
-            rewards,
-            group_index([t["uid"] for t in trajectories]),
-            values["loss_mask"],
-            **self._estimator_kwargs,
+            rewards, group_index(columns["uid"]), values["loss_mask"], **self._estimator_kwargs
         )
         metadata = {
             **batch.metadata,
             "model_tag": batch.metadata.get("model_tag", DEFAULT_MODEL_TAG),
-            "model_versions": [int(t["model_version"]) for t in trajectories],
-            "min_token_versions": [
-                min(t.get("token_versions") or [t["model_version"]]) for t in trajectories
-            ],
+            "model_versions": [int(v) for v in columns["model_version"]],
+            "min_token_versions": min_token_versions(columns),
             "rollout_metrics": {
-                **rollout_metrics(trajectories),
-                **async_metrics(trajectories, batch.metadata),
+                **rollout_metrics(columns),
+                **async_metrics(columns, batch.metadata),
                 **shaping_metrics,
             },
-            "uids": [t["uid"] for t in trajectories],
-            "samples": sample_rows(trajectories, None, limit=SAMPLE_ROWS),
+            "uids": list(columns["uid"]),
+            "samples": sample_rows(first_rows(columns, SAMPLE_ROWS), None, limit=SAMPLE_ROWS),
         }
         self._put_batch(Batch(values, metadata), update_fn)

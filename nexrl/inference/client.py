@@ -15,6 +15,7 @@ it holds no algorithm logic. Results are token-in/token-out: `prompt_ids`,
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -160,7 +161,7 @@ class LLMServiceClient:
             reraise=True,
         )
         self.freeze_for_weight_sync = section.freeze_for_weight_sync
-        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_SAMPLES)
+        self._recent: deque[tuple[dict, dict]] = deque(maxlen=RECENT_SAMPLES)
         self._controller: Any = None
         self._engine: InferenceEngine | None = None
         self._remote = None
@@ -206,13 +207,13 @@ class LLMServiceClient:
         """Keep the latest samples (token ids, logprobs, versions), so that a trajectory
         written with response text only can be completed token-exactly."""
         shared = {k: v for k, v in result.items() if k != "choices"}
-        for choice in result.get("choices") or []:
-            self._recent.append({**shared, **choice})
+        # (shared, choice) pairs, merged when read: most runs never read them
+        self._recent.extend(zip(itertools.repeat(shared), result.get("choices") or []))
         return result
 
     def recent_samples(self) -> list[dict[str, Any]]:
         """The latest samples this client returned, oldest first."""
-        return list(self._recent)
+        return [{**shared, **choice} for shared, choice in list(self._recent)]
 
     def generate(
         self, messages: list[dict], *, tools: list[dict] | None = None, **kwargs: Any

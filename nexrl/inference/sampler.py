@@ -26,6 +26,7 @@ which is what a trainer that also divides its logits by `T` computes. Greedy
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -197,14 +198,22 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+@functools.cache
+def _fast_tokenizer_class() -> type:
+    """transformers' `PreTrainedTokenizerFast`, looked up once (its lazy import is ~1 us,
+    as long as the encode it guards)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast
+
+
 def _plain_fast(tokenizer) -> bool:
     """A `PreTrainedTokenizerFast` whose encode is the backend's own: its class keeps the
     base class's encode path, and no truncation, padding or special-token split is set."""
-    from transformers import PreTrainedTokenizerFast
-
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+    base = _fast_tokenizer_class()
+    if not isinstance(tokenizer, base):
         return False
-    cls, base = type(tokenizer), PreTrainedTokenizerFast
+    cls = type(tokenizer)
     if cls._batch_encode_plus is not base._batch_encode_plus:
         return False
     backend = tokenizer.backend_tokenizer

@@ -143,7 +143,9 @@ class HierarchicalTrajectoryStore:
         return [_group_value(traj, k) for k in self._keys]
 
     def add(self, traj: Trajectory) -> None:
-        path = self._path(traj)
+        self._add(traj, self._path(traj))
+
+    def _add(self, traj: Trajectory, path: list[Any]) -> None:
         nodes = [self._tree]
         for value in path[:-1]:
             nodes.append(nodes[-1].setdefault(value, {}))
@@ -160,10 +162,23 @@ class HierarchicalTrajectoryStore:
                 del nodes[depth - 1][path[depth - 1]]
 
     def add_group(self, trajs: list[Trajectory]) -> None:
-        for traj in trajs:
-            self._path(traj)  # validate all keys before changing anything
-        for traj in trajs:
-            self.add(traj)
+        paths = [self._path(traj) for traj in trajs]  # every key checked before any change
+        if len(trajs) == self._group_size and self._fresh_group(paths):
+            self._ready.push(list(trajs))  # the usual put: one whole group, nothing of it here
+            return
+        for traj, path in zip(trajs, paths, strict=True):
+            self._add(traj, path)
+
+    def _fresh_group(self, paths: list[list[Any]]) -> bool:
+        """All `paths` are one group's, and the store holds none of its samples yet."""
+        if any(path != paths[0] for path in paths):
+            return False
+        node: Any = self._tree
+        for value in paths[0]:
+            if value not in node:
+                return True
+            node = node[value]
+        return False
 
     def num_ready(self) -> int:
         return self._ready.count

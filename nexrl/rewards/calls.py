@@ -45,14 +45,14 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 def normalize_result(value: Any) -> tuple[float, dict[str, float]]:
     """(reward, scores) from what a reward returned; a clear error for anything else."""
-    if isinstance(value, RewardResult):
+    if isinstance(value, (int, float)):  # bool included: True -> 1.0. First: the usual
+        reward, scores = value, {}  # answer, and a Mapping check (an ABC) costs ~1 us
+    elif isinstance(value, RewardResult):
         reward, scores = value.reward, value.scores
     elif isinstance(value, Mapping):
         if "reward" not in value:
             raise ValueError(f"reward returned a dict without 'reward': keys {sorted(value)}")
         reward, scores = value["reward"], value.get("scores") or {}
-    elif isinstance(value, (int, float)):  # bool included: True -> 1.0
-        reward, scores = value, {}
     else:
         raise TypeError(
             f"reward returned {type(value).__name__}; expected a float, a dict with "

@@ -237,8 +237,9 @@ class BaseRolloutWorker(LoopModule):
 
     def _put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
         """Hand a whole group on atomically; validation tasks go to the validator."""
-        group = [self._complete_trajectory(t) for t in trajectories]
-        if self.is_validating_task:
+        task, tag = self.current_task, self._model_tag()
+        group = [self._complete_trajectory(t, task, tag) for t in trajectories]
+        if task is not None and task.is_validate:
             for t in group:
                 execute(self._validator.put_trajectory, t)
             return StepResult.SUCCESS.value
@@ -246,15 +247,17 @@ class BaseRolloutWorker(LoopModule):
             check_trajectory(t)
         return execute(self._trajectory_pool.put_trajectory_group, group)
 
-    def _complete_trajectory(self, trajectory: Trajectory) -> Trajectory:
-        task = self.current_task
+    def _complete_trajectory(
+        self, trajectory: Trajectory, task: Task | None, tag: str
+    ) -> Trajectory:
+        """A copy of `trajectory` with the keys the pool needs (see the module docstring)."""
         traj = dict(trajectory)
         if task is not None:
             traj.setdefault("uid", task.uid)
             traj["task_id"] = task.task_id
             if self._context.source_key in task.data:  # per-source validation metrics
                 traj.setdefault("source", task.data[self._context.source_key])
-        traj.setdefault("model_tag", self._model_tag())
+        traj.setdefault("model_tag", tag)
         if any(traj.get(k) is None for k in _TOKEN_KEYS):
             self._fill_from_client(traj)
         if traj.get("reward") is None and self._reward_fn is not None and task is not None:
@@ -282,16 +285,23 @@ class BaseRolloutWorker(LoopModule):
         """`score` of every sample of one task in one runner call (one thread hop per group,
         not per sample). The first failed sample raises as in `score`; the samples after
         it are not waited for (those not started yet are cancelled)."""
-        calls = [self._reward_call(row, s) for s in samples]
+        prompt, data = self._reward_row(row)  # one for the group: each call copies what it reads
+        calls = [
+            RewardCall(prompt, s["response"], s.get("prompt_ids"), s.get("response_ids"), data)
+            for s in samples
+        ]
         with contextlib.closing(self._rewards.iter_scores(calls)) as outcomes:
             return [self._reward_of(row, s, o) for s, o in zip(samples, outcomes, strict=True)]
 
     def _reward_call(self, row: dict[str, Any], sample: dict[str, Any]) -> RewardCall:
-        data = {k: v for k, v in row.items() if k != "prompt"}
-        prompt = row.get(self._context.prompt_key)
+        prompt, data = self._reward_row(row)
         return RewardCall(
             prompt, sample["response"], sample.get("prompt_ids"), sample.get("response_ids"), data
         )
+
+    def _reward_row(self, row: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The reward's prompt and the row's other columns, as its keyword arguments."""
+        return row.get(self._context.prompt_key), {k: v for k, v in row.items() if k != "prompt"}
 
     def _reward_of(
         self, row: dict[str, Any], sample: dict[str, Any], outcome: RewardOutcome

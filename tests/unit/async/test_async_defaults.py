@@ -5,6 +5,7 @@ import pytest
 from nexrl.algorithms.processor import async_metrics
 from nexrl.config.schema import AlgorithmConfig
 from nexrl.training.train_worker import LossSpec
+from nexrl.types import Batch
 
 
 def kwargs_of(loss_kwargs, mode):
@@ -33,7 +34,7 @@ def test_async_metrics_count_per_group_aborts_and_per_sample_continuations():
         {"uid": "b", "rollout_aborts": 0, "continuations": 0, "token_versions": [1]},
         {"uid": "b", "rollout_aborts": 0, "continuations": 0, "token_versions": []},
     ]
-    m = async_metrics(trajs, {"staleness_dropped": 3})
+    m = async_metrics(Batch.from_trajectories(trajs).values, {"staleness_dropped": 3})
     assert m == {
         "staleness/dropped": 3.0,
         "rollout/aborts": 2.0,

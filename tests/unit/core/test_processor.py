@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from nexrl.algorithms.processor import GRPOProcessor, ProcessorContext, collate, group_index
+from nexrl.algorithms.processor import (
+    GRPOProcessor,
+    ProcessorContext,
+    collate,
+    group_index,
+    rollout_metrics,
+)
 from nexrl.config.schema import AlgorithmConfig
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrainBatchPool
@@ -160,3 +166,22 @@ def test_collate_equals_a_row_by_row_layout_on_random_batches():
         assert got["input_ids"].dtype == torch.long and got["loss_mask"].dtype == torch.float32
         for key, values in want.items():
             assert torch.equal(got[key], torch.tensor(values, dtype=got[key].dtype)), key
+
+
+def test_batch_metrics_read_columns_where_samples_differ_in_keys():
+    rows = [
+        {**traj("a", [1], [2, 3], [-1.0, -1.0], 1.0), "scores": {"format": 1.0}},
+        {**traj("a", [1], [2], [-1.0], 0.0), "agent_metrics": {"turns": 3, "note": "x"}},
+        {**traj("b", [1], [2], [-1.0], 0.5), "scores": {"format": 0.0, "answer": 1}},
+    ]
+    rows[1]["finish_reason"] = "length"
+    columns = Batch.from_trajectories(rows).values
+    assert columns["scores"] == [{"format": 1.0}, None, {"format": 0.0, "answer": 1}]
+    m = rollout_metrics(columns)
+    assert m["reward/format"] == 0.5 and m["reward/answer"] == 1.0
+    assert m["agent/turns"] == 3.0 and "agent/note" not in m
+    assert m["reward/mean"] == 0.5 and m["response_length/mean"] == 4 / 3
+    assert m["response/truncated_frac"] == 1 / 3
+    rows[2]["reward"] = None
+    with pytest.raises(ValueError, match="task 'b' has no 'reward'"):
+        rollout_metrics(Batch.from_trajectories(rows).values)

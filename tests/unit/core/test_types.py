@@ -38,6 +38,16 @@ def test_from_trajectories_round_trip_and_select():
     assert b.select([1]).values["uid"] == ["b"] and len(b.select([1])) == 1
 
 
+def test_from_trajectories_of_one_shape_keeps_each_value_under_its_key():
+    # same keys, other insertion orders: each value lands in its own column
+    trajs = [{"uid": "a", "reward": 1.0, "ids": [1]}, {"ids": [2, 3], "uid": "b", "reward": 0.5}]
+    b = Batch.from_trajectories(trajs)
+    assert b.values == {"uid": ["a", "b"], "reward": [1.0, 0.5], "ids": [[1], [2, 3]]}
+    assert b.to_trajectories() == trajs and len(b) == 2
+    assert Batch.from_trajectories([{"uid": "a"}]).values == {"uid": ["a"]}
+    assert Batch.from_trajectories([]).values == {} and len(Batch.from_trajectories([])) == 0
+
+
 def test_nextrainer_split():
     out = padded_batch().to_nextrainer_batch()
     assert set(out["batch"]) == {"input_ids", "mask"} and set(out["non_tensor_batch"]) == {"uid"}

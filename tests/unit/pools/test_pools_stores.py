@@ -84,3 +84,18 @@ def test_make_store_picks_type_by_key_list() -> None:
     assert type(make_store(["a", "b"], 4)) is HierarchicalTrajectoryStore
     with pytest.raises(ValueError, match="group_size"):
         make_store(["uid"], 0)
+
+
+@pytest.mark.parametrize("keys", [["uid"], ["user", "uid"]])
+def test_a_whole_group_put_at_once_merges_with_samples_of_it_already_held(keys) -> None:
+    store = make_store(keys, group_size=2)
+    store.add(traj("a", 0, user="u"))
+    store.add_group([traj("a", 1, user="u"), traj("a", 2, user="u")])  # a's leaf exists
+    assert [t["i"] for t in store.take(2)] == [0, 1] and len(store) == 1
+    store.add_group([traj("b", 3, user="u"), traj("b", 4, user="u")])  # nothing of b held
+    store.add_group([traj("c", 5, user="u"), traj("d", 6, user="u")])  # two groups' samples
+    assert [t["i"] for t in store.take(2)] == [3, 4]
+    assert store.num_ready() == 0 and len(store) == 3  # a's 2, c's 5 and d's 6 wait
+    store.add_group([traj("a", 7, user="u"), traj("d", 8, user="u")])
+    assert sorted(t["i"] for t in store.take(4)) == [2, 6, 7, 8]
+    assert [t["i"] for t in store.drain_incomplete()] == [5]
