@@ -74,6 +74,7 @@ from nexrl.rewards import shift_letters
 TARGET, WINDOW = 0.9, 5
 TITLE = "# End to end: nexrl vs a minimal GRPO loop"
 LR, CLIP, ENTROPY_COEF, GRAD_CLIP, MAX_TOKENS = 3e-4, 0.2, 0.03, 1.0, 4
+PROMPTS, GROUP = 16, 16  # a step of the default recipe
 NEXRL_VARIANTS = {
     "nexrl sync": ["weight.sync_mode=sync"],
     "nexrl fully-async(1)+inflight": [
@@ -114,6 +115,21 @@ def grpo_loss(model, seqs: torch.Tensor, n_prompt: int, adv: torch.Tensor, pad_i
     return ((per_token - ENTROPY_COEF * entropy) * mask).sum() / n
 
 
+def group_advantages(
+    rows: list[dict], texts: list[str], group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The minimal loop's rewards of `texts` (`group` of them per row, row by row) and
+    their GRPO advantages (r - group mean) / (group std + 1e-6)."""
+    rewards = torch.tensor(
+        [
+            shift_letters(rows[i // group]["prompt"], t, rows[i // group]["answer"])
+            for i, t in enumerate(texts)
+        ]
+    )
+    r = rewards.view(len(rows), group)
+    return rewards, ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
+
+
 def minimal_grpo(
     model_path: Path,
     rows: list[dict],
@@ -151,14 +167,7 @@ def minimal_grpo(
             )
         t_gen = time.perf_counter() - t0
         texts = tok.batch_decode(seqs[:, n_prompt:], skip_special_tokens=True)
-        rewards = torch.tensor(
-            [
-                shift_letters(batch[i // group]["prompt"], t, batch[i // group]["answer"])
-                for i, t in enumerate(texts)
-            ]
-        )
-        r = rewards.view(prompts, group)
-        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).flatten()
+        rewards, adv = group_advantages(batch, texts, group)
         adv = adv.to(device)
         model.train()
         t1 = time.perf_counter()
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     logging.basicConfig(level=logging.ERROR)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    prompts, group, steps = (4, 4, 2) if args.smoke else (16, 16, args.steps)
+    prompts, group, steps = (4, 4, 2) if args.smoke else (PROMPTS, GROUP, args.steps)
     tmp = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     train_path, _ = write_task("shift_letters", tmp / "data")
     rows = [json.loads(x) for x in train_path.read_text().splitlines()]

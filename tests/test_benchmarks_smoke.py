@@ -60,6 +60,7 @@ SMOKE_LINES = {
     "bench_ray.py": "ray_vs_local_wallclock:",
     "bench_validation.py": "validation_concurrency_speedup:",
     "bench_startup.py": "process_vs_builtin_first_step:",
+    "bench_host.py": "nexrl_host_vs_minimal:",
 }
 
 
@@ -77,6 +78,7 @@ def test_every_benchmark_has_a_smoke_test() -> None:
         "bench_async.py",
         "bench_validation.py",
         "bench_startup.py",
+        "bench_host.py",
     ],
 )
 def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:  # bench_e2e.py: below
