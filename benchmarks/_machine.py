@@ -6,6 +6,7 @@ ratio from 3x to 5x), so every results file starts with `describe()`.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
@@ -75,9 +76,34 @@ def section_head(suffix: str = "") -> list[str]:
     return [f"## {stamp}{suffix}", "", describe()]
 
 
+TRACKED_RESULTS = Path(__file__).resolve().parent / "results"
+"""The committed results: one current file per benchmark (history is in git)."""
+DEFAULT_OUT = Path("bench_results")
+"""Where a run writes unless told otherwise (relative to the working directory; git-ignored)."""
+
+
+def add_out_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--out DIR` and `--update-results`: every benchmark writes its results into a folder
+    the user chooses, and over the committed files only when asked."""
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"results folder (default ./{DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write the committed files in benchmarks/results/ instead of --out",
+    )
+
+
+def results_dir(args: argparse.Namespace) -> Path:
+    """The folder a run writes into (`add_out_arguments`)."""
+    if args.update_results:
+        return TRACKED_RESULTS
+    return args.out or DEFAULT_OUT
+
+
 def prepend_section(path: Path, title: str, lines: list[str]) -> None:
-    """Put `lines` under `title` at the top of the Markdown file `path` (newest run first);
-    the sections already there stay below."""
+    """Write `lines` under `title` as the Markdown file `path`: the current result only
+    (earlier ones are in git's history of the committed file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    earlier = path.read_text().split("\n", 1)[1].lstrip("\n") if path.exists() else ""
-    path.write_text("\n".join([title, "", *lines, earlier]))
+    path.write_text("\n".join([title, "", *lines]))

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import describe, record
+from _machine import add_out_arguments, describe, record, results_dir
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fixed short runs (< 3 minutes)")
     parser.add_argument("--latency", type=float, default=None, help="emulated s per engine step")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="2 tiny steps per variant, no files")
     parser.add_argument(
         "--only", choices=[f"{e}/{t}" for e in ENGINES for t in TASKS], default=None,
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = compute_ratios(tables)
     if not args.smoke:
         name = "async_" + args.only.replace("/", "_") if args.only else None
-        _write(args.out, tables, ratios, sweep, latency, args.quick, name, args.latency is None)
+        out, default_latency = results_dir(args), args.latency is None
+        _write(out, tables, ratios, sweep, latency, args.quick, name, default_latency)
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
     headline = args.only or "emulated/default"

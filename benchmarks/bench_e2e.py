@@ -45,7 +45,7 @@ run (asynchronous scheduling), so one run per side can move the wall-clock ratio
 20%; with `--seeds N` every figure is the median over N runs per side, and the
 seconds to 0.9 of each run are listed.
 
-Adds its section at the top of benchmarks/results/e2e.md (not in --smoke). Last line:
+Writes e2e.md into --out (default ./bench_results; not in --smoke). Last line:
 `nexrl_sync_vs_minimal_step_s: X` (target <= 0.8).
 """
 
@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import prepend_section, section_head
+from _machine import add_out_arguments, prepend_section, results_dir, section_head
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nexrl.config import load_config
@@ -296,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=600, help="max steps per side")
     p.add_argument("--seeds", type=int, default=1, help="runs per side (seeds 42, 43, ...)")
     p.add_argument("--smoke", action="store_true", help="2 steps of 4 x 4 each, no files")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_arguments(p)
     p.add_argument("--device", default="cpu", help="cuda: the minimal loop and nexrl's engine")
     p.add_argument(
         "--model",
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if not args.smoke:
         device = "" if args.device == "cpu" else f"_{torch.device(args.device).type}"
         model_name = "_micro" if args.model == "micro" else ""
-        write(args.out / f"e2e{device}{model_name}.md", results, ratios, len(seeds))
+        write(results_dir(args) / f"e2e{device}{model_name}.md", results, ratios, len(seeds))
     for k, v in ratios.items():
         print(f"{k}: {'-' if v is None else f'{v:.3f}'}")
     return results

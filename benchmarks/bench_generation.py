@@ -15,7 +15,7 @@ multi-threaded teams slow both sides; docs/inference.md, "Threads").
 Then the tiny model through HTTP (`nexrl serve` in a subprocess, 64 concurrent clients)
 vs the same 64 requests in-process. Ratios compare numbers measured in the same run.
 
-    python benchmarks/bench_generation.py [--quick] [--threads 1] [--out benchmarks/results]
+    python benchmarks/bench_generation.py [--quick] [--threads 1] [--out DIR | --update-results]
     python benchmarks/bench_generation.py --smoke   # seconds: tiny model, c=1 and 4, no files
     python benchmarks/bench_generation.py --smollm2 --threads 2   # the real 135M chat model
     python benchmarks/bench_generation.py --smollm2 --threads 2 --dtype bfloat16   # both in bf16
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from _machine import command, describe, record
+from _machine import add_out_arguments, command, describe, record, results_dir
 
 from nexrl.inference.engine import Engine
 from nexrl.inference.protocol import GenerationRequest, SamplingParams
@@ -329,7 +329,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 repeats, shorter 30M run (<2 min)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_arguments(ap)
     ap.add_argument("--repeats", type=int, default=None, help="best of N (default 3, quick 2)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no results files (seconds)")
     ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct, c=16 and 64")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smollm2:
         model = resolve_model(args.model_path)
         repeats = args.repeats or 1
-        out = Path(args.out)
+        out = results_dir(args)
         opts = dict(dtype=args.dtype, chat=args.chat, device=args.device)
         return smollm2(model, args.threads, out, repeats, args.smoke, **opts)
     if args.smoke:
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         repeats=repeats,
     )
-    write_results(Path(args.out), rows, http, meta)
+    write_results(results_dir(args), rows, http, meta)
     print(f"http_vs_inprocess_at_64: {http[1] / http[0]:.2f}")
     at64 = next(r for r in rows if r["model"] == "tiny-1M" and r["concurrency"] == 64)
     print(f"speedup_vs_hf_at_64: {at64['speedup']:.2f}")

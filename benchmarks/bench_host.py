@@ -21,7 +21,7 @@ interpreter lock, beside the engine's scheduler thread and (in-process) the
 trainer's: on a GPU, where the engine's decode waits on the device, they are what
 the rollout side's time above the minimal loop's is made of (docs/performance.md).
 
-Adds its section at the top of benchmarks/results/host.md (not in --smoke). Last line:
+Writes host.md into --out (default ./bench_results; not in --smoke). Last line:
 `nexrl_host_vs_minimal: X` (nexrl's seconds / the minimal loop's, per step).
 """
 
@@ -31,10 +31,9 @@ import argparse
 import random
 import timeit
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
-from _machine import prepend_section, section_head
+from _machine import add_out_arguments, prepend_section, results_dir, section_head
 from bench_e2e import GROUP, PROMPTS, group_advantages
 from transformers import AutoTokenizer
 
@@ -51,7 +50,6 @@ from nexrl.rollout.workers import SingleTurnRolloutWorker
 from nexrl.types import Task
 
 TITLE = "# Host work per step: nexrl's rollout worker, pool and processor vs the minimal loop"
-RESULTS = Path(__file__).resolve().parent / "results" / "host.md"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -143,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=15, help="timed runs per side (best kept)")
     p.add_argument("--smoke", action="store_true", help="2 steps, 2 repeats, no results file")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results file")
+    add_out_arguments(p)
     return p
 
 
@@ -167,7 +165,8 @@ def main() -> None:
     ]
     if not args.smoke:
         head = section_head(f", {steps} steps x {repeats} runs")
-        prepend_section(args.out, TITLE, [*head, *(f"- {line}" for line in lines), ""])
+        body = [*head, *(f"- {line}" for line in lines), ""]
+        prepend_section(results_dir(args) / "host.md", TITLE, body)
     print("\n".join(lines))
 
 

@@ -12,7 +12,7 @@ Ray mode also reports the Ray calls every process made through `execute`, per tr
 step and by `module.method` (`nexrl.execute.REMOTE_CALLS`, summed over the driver and
 the module actors).
 
-    python benchmarks/bench_ray.py [--steps 20] [--rounds 1] [--out benchmarks/results/ray.json]
+    python benchmarks/bench_ray.py [--steps 20] [--rounds 1] [--out DIR | --update-results]
         [--layouts one_actor rollout_train]   # Ray runs per layout (default: ray.layout's)
     python benchmarks/bench_ray.py --smoke   # 2 tiny steps per mode, nothing written
 
@@ -34,7 +34,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _machine import command, machine
+from _machine import add_out_arguments, command, machine, results_dir
 
 from nexrl import execute as execute_module
 from nexrl.config import load_config
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1, help="local/ray pairs, interleaved")
-    parser.add_argument("--out", default=None, help="write the numbers as JSON here")
+    add_out_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="2 tiny steps per mode, no files")
     parser.add_argument(
         "--layouts", nargs="+", default=None, help="ray.layout of each Ray run (default: its own)"
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     if args.smoke:
-        args.steps, args.rounds, args.out = 2, 1, None
+        args.steps, args.rounds = 2, 1
 
     os.environ.setdefault("NEXRL_HOME", tempfile.mkdtemp(prefix="nexrl_bench_"))
     default = RayConfig.layout
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                 if ray.is_initialized():
                     ray.shutdown()  # each Ray run starts its own Ray
     ratios = {k: v for mode in rays for k, v in headline(results, mode).items()}
-    if args.out:
+    if not args.smoke:
         payload = {
             "machine": machine(),
             "command": command(),
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
             **ratios,
             **results,
         }
-        Path(args.out).write_text(json.dumps(payload, indent=1))
+        out = results_dir(args)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ray.json").write_text(json.dumps(payload, indent=1))
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}")
 

@@ -19,7 +19,7 @@ Every figure is `RewardRunner.ascore` called by 64 concurrent asyncio tasks
   8 new tokens per judgement) as a subprocess; replies are garbage, so the
   figure is judgements/s completed (parsed or counted as unparseable).
 
-Results go to benchmarks/results/rewards.{md,json} (or `--out`), with the CPU
+Results go to rewards.{md,json} in --out (default ./bench_results), with the CPU
 model and the command line.
 """
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import machine
+from _machine import add_out_arguments, machine, results_dir
 
 from nexrl.rewards.code import CodeReward
 from nexrl.rewards.math import gsm8k_reward, math_reward
@@ -53,7 +53,6 @@ ROW_NOTES = [
     "judge: `nexrl serve` tiny model, 8 tokens per judgement; all replies unparseable (garbage "
     "model), so `failed` = 256 is the expected count and rewards/s = judgements completed/s.",
 ]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 async def drive(runner: RewardRunner, calls: list[tuple[str, str, dict]]) -> dict[str, Any]:
@@ -246,7 +245,7 @@ def write(results: dict[str, Any], out_dir: Path, stem: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny counts, no judge server")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_out_arguments(parser)
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": os.getloadavg()[0],
         "figures": figures,
     }
-    write(results, args.out, "rewards_smoke" if args.smoke else "rewards")
+    write(results, results_dir(args), "rewards_smoke" if args.smoke else "rewards")
     for name, r in figures.items():
         print(f"{name}: {r['per_s']:.1f}/s" if isinstance(r, dict) else f"{name}: {r:.2f}")
     return results

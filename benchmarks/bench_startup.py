@@ -12,7 +12,7 @@ whose imports of torch and transformers are the longest part of its start-up: `n
 train` spawns it before importing the rest of the run, so that the two overlap).
 The runs alternate between the backends, so drift in the machine's speed moves both.
 
-Adds its section at the top of benchmarks/results/startup{_cuda}.md (not in --smoke).
+Writes startup{_cuda}.md into --out (default ./bench_results; not in --smoke).
 Last line: `process_vs_builtin_first_step: X`.
 """
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _machine import prepend_section, section_head
+from _machine import add_out_arguments, prepend_section, results_dir, section_head
 
 TITLE = "# Start-up: from launching `nexrl train` to its first step"
 LAUNCH = "import sys; from nexrl.cli import main; sys.exit(main())"  # what `nexrl` runs
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="runs per backend, alternated")
     p.add_argument("--steps", type=int, default=3, help="train steps per run")
     p.add_argument("--smoke", action="store_true", help="one round of one 4 x 4 step, no file")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_arguments(p)
     p.add_argument("--device", default="cpu", help="cuda: the engine and the trainer on a GPU")
     return p
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ratio = results["process"]["first_step_start"] / results["builtin"]["first_step_start"]
     if not args.smoke:
         suffix = "" if args.device == "cpu" else "_cuda"
-        write(args.out / f"startup{suffix}.md", results, runs, ratio)
+        write(results_dir(args) / f"startup{suffix}.md", results, runs, ratio)
     print(f"process_vs_builtin_first_step: {ratio:.3f}")
     return results
 

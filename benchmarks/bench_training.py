@@ -24,10 +24,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-from _machine import describe
+from _machine import add_out_arguments, describe, results_dir
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
@@ -108,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--proj-hidden", type=int, default=576)
     p.add_argument("--proj-vocab", type=int, default=49152)  # SmolLM2's output layer
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (seconds)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_arguments(p)
     return p
 
 
@@ -170,11 +169,12 @@ def main(argv: list[str] | None = None) -> float:
     ]
     print("\n".join(lines))
     if not args.smoke:
-        args.out.mkdir(parents=True, exist_ok=True)
+        out = results_dir(args)
+        out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        text = f"\n## Run of {stamp}\n\n{describe()}\n```\n" + "\n".join(lines) + "\n```\n"
-        with (args.out / "training.md").open("a") as f:  # appended: keeps the history
-            f.write(text)
+        title = f"# Train engine vs a bare loop\n\n## Run of {stamp}\n\n"
+        text = f"{title}{describe()}\n```\n" + "\n".join(lines) + "\n```\n"
+        (out / "training.md").write_text(text)
     return t_bare / t_engine
 
 

@@ -15,7 +15,7 @@ the final validation's: the first one also pays the process's first forwards.
     python benchmarks/bench_validation.py --calculator  # the agent recipe: 32 questions, 2 workers
     python benchmarks/bench_validation.py --smoke     # seconds: 8 prompts, 2 workers
 
-Adds its section at the top of benchmarks/results/validation.md (not in --smoke). Last
+Writes validation.md into --out (default ./bench_results; not in --smoke). Last
 line: `validation_concurrency_speedup: X` (one task per worker over the default, final
 validation).
 """
@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from _machine import prepend_section, section_head
+from _machine import add_out_arguments, prepend_section, results_dir, section_head
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--model-path", help="model_path for the SmolLM2 recipes (default: theirs)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "validation_concurrency_speedup": final / after_final,
     }
     if not args.smoke:
-        write(args.out / "validation.md", config_name, medians, ratios, args.repeats)
+        write(results_dir(args) / "validation.md", config_name, medians, ratios, args.repeats)
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
     return ratios
