@@ -11,7 +11,7 @@ defaults. Named components are picked from registries (`nexrl.registry`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,7 +37,8 @@ def section(node: Any) -> Any:
 
 def inference_config(cfg: DictConfig) -> dict[str, Any]:
     """The inference section with its engine options merged in (the client's input)."""
-    plain = OmegaConf.to_container(cfg.service.inference_service, resolve=True)
+    section = OmegaConf.to_container(cfg.service.inference_service, resolve=True)
+    plain = cast(dict[str, Any], section)
     plain["model"] = plain.get("model") or cfg.model_path
     return {**plain, **plain.pop("engine", {})}
 

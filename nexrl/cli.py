@@ -165,16 +165,11 @@ def _train(argv: list[str]) -> int:
 
 
 def run_training(cfg) -> int:  # cfg: DictConfig
-    from nexrl.training import trainer_spare
-
-    # before the controller's imports, so that a trainer child's imports run beside them
-    trainer_spare.prestart_for(cfg)
     try:
         from nexrl.controller import NexRLController, TrainingAborted
 
         controller = NexRLController(cfg)
     except ImportError as exc:  # an optional package, or a user module given by import path
-        trainer_spare.discard_spare()
         print(f"nexrl train: {import_hint(exc)}", file=sys.stderr)
         return 2
     except (ValueError, KeyError, FileNotFoundError) as exc:  # bad data / paths / names

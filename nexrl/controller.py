@@ -56,19 +56,14 @@ from nexrl.distributed.recovery import (
     restart_loops,
 )
 from nexrl.execute import execute
-from nexrl.models.threads import release_workers
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
 from nexrl.run_setup import (
-    collector_paused,
     find_latest_checkpoint,
     find_resume_checkpoint,
-    frozen_setup_heap,
-    release_freed_memory,
     resolve_run_config,
 )
 from nexrl.system import LocalSystem, ModuleSystem
-from nexrl.training import trainer_spare
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
 
 logger = logging.getLogger(__name__)
@@ -89,25 +84,15 @@ class TrainingAborted(RuntimeError):
 
 class NexRLController:
     def __init__(self, config: DictConfig) -> None:
-        release_freed_memory()  # what earlier runs in this process freed
         self._explicit_ckpt = config.train_worker.checkpoint_path is not None
-        # a trainer in a child process: its imports overlap the building of the run
-        prestarted = trainer_spare.prestart_for(config)
-        try:
-            with collector_paused():
-                self._config = resolve_run_config(config)
-                self.system = build_system(self._config)
-        except BaseException:
-            if prestarted:
-                trainer_spare.discard_spare()
-            raise
+        self._config = resolve_run_config(config)
+        self.system = build_system(self._config)
         self.run_dir = self._config.run_dir
         self.activity_tracker = self.system.activity_tracker
         self._tag: ModelTag = DEFAULT_MODEL_TAG
         self._last_validated_step: int | None = None
         self._monitor = self._config.runtime_monitor
-        # read once: an OmegaConf lookup took 140 us under the interpreter lock of a running
-        # pipeline (micro model, Zen 4), and the watch loop passes 2-3 times a train step
+        # read once: the watch loop passes 2-3 times a train step
         self._total_steps = self._config.train_worker.total_train_steps
         self._next_health_check = 0.0
         self._next_error_check = 0.0
@@ -122,24 +107,21 @@ class NexRLController:
     def run(self) -> dict[str, float]:
         s = self.system
         logger.info("run dir: %s", self.run_dir)
-        with collector_paused():  # the models: they live for the run
-            for worker in s.train_workers:
-                execute(worker.initialize_workers)
-            self._load_initial_checkpoint()
-        release_workers()  # loading's OpenMP team: idle teams keep the others from spinning
+        for worker in s.train_workers:
+            execute(worker.initialize_workers)
+        self._load_initial_checkpoint()
         validate_first = self._config.validate.validate_before_train
         if validate_first:  # switch workers to validation before their loops start
             self._start_validate(self._tag)
-        with frozen_setup_heap():
-            s.start()
-            self._start_dashboard()
-            try:
-                if validate_first:
-                    self._wait_validate()
-                    self._end_validate(self._tag)
-                self._train_then_validate()
-            finally:
-                self._stop()
+        s.start()
+        self._start_dashboard()
+        try:
+            if validate_first:
+                self._wait_validate()
+                self._end_validate(self._tag)
+            self._train_then_validate()
+        finally:
+            self._stop()
         return self.final_metrics
 
     def _watch_once(self) -> bool:

@@ -13,16 +13,11 @@ says why, and staging folders left by a save that was cut short are removed.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import json
 import logging
 import re
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -32,9 +27,6 @@ from nexrl.config.derived import train_backend
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
-RUN_GC_THRESHOLD0 = 10_000
-"""Allocations between two collections of the youngest generation while a run trains
-(Python's default: 700); see `freeze_setup_heap`."""
 WORKER_STATE_FILE = "nexrl_state.json"
 """Written by the TrainWorker into each checkpoint (step, data loader position)."""
 
@@ -180,7 +172,7 @@ def find_resume_checkpoint(cfg: DictConfig, explicit_checkpoint_path: bool) -> s
         return find_latest_checkpoint(cfg.train_worker.checkpoint_path)
     chosen = OmegaConf.select(cfg, "resume.resumed_from")
     if chosen and checkpoint_problem(chosen) is None:  # what resolve_run_config picked
-        return chosen
+        return str(chosen)
     found = find_resume_run(Path(cfg.output_dir) / cfg.experiment_name)
     return found[1] if found else None
 
@@ -192,102 +184,3 @@ def remove_staging_leftovers(checkpoint_folder: str | Path) -> None:
     for leftover in staging_leftovers(checkpoint_folder):
         logger.warning("removing %s, left by a checkpoint save that was cut short", leftover)
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def release_freed_memory() -> bool:
-    """Hand back to the OS the memory that glibc's allocator keeps after it was freed.
-
-    Tensors freed by an earlier run in the same process (a notebook, a sweep, a test
-    session) stay in the allocator's arenas: after four SmolLM2 runs one after the other
-    the process held 4.0-5.6 GiB with no model alive, 0.6 GiB after this. The controller
-    calls it before it builds a run. True when memory was released; False where the C
-    library is not glibc."""
-    trim = _glibc("malloc_trim")
-    return bool(trim(0)) if trim is not None else False
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
-RUN_TRIM_THRESHOLD = 256 << 20
-"""Free memory that glibc keeps at the top of a heap during a run before it trims."""
-RUN_MMAP_THRESHOLD = 32 << 20
-"""Allocations from this size up get their own mapping (glibc's largest setting)."""
-
-
-def retain_freed_heap() -> bool:
-    """Keep what a step frees in glibc's heaps for the next step (called by
-    `freeze_setup_heap`, so every process of a run does it once set up).
-
-    By default glibc hands a heap's free top back to the OS once it passes a threshold
-    that adapts to the sizes freed, and each train step's tensors were then mapped and
-    zeroed again: 670 minor page faults per update of the tiny model (Zen 4, sync run),
-    under 1 with these settings. A process keeps at most `RUN_TRIM_THRESHOLD` free at a
-    heap's top; `release_freed_memory` still trims it between runs. True where set
-    (glibc)."""
-    mallopt = _glibc("mallopt")
-    if mallopt is None:
-        return False
-    mmap_set = mallopt(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
-    return bool(mmap_set and mallopt(M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD))
-
-
-def _glibc(function: str):
-    """A function of the C library, or None where it lacks it (not glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), function) if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a run is built. Nearly all that a build makes
-    (modules, the model, datasets, tokenizers) lives as long as the run, so the full
-    collections that its allocations set off walk a growing heap for nothing: 4 of them,
-    0.6-0.7 s of the default run's 3.9-4.9 s build (Zen 4). `freeze_setup_heap`
-    collects once at the start of the run."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def freeze_setup_heap() -> int:
-    """Collect, then move every object alive now (imported modules, the model, datasets,
-    tokenizers) out of the cyclic garbage collector's sight; returns how many moved.
-
-    A full collection walks every tracked object. After the default task's setup that is
-    ~430,000 objects, and each full collection of its run paused all threads for ~320 ms
-    (Zen 4); with the setup frozen it walks only what the run made since: at most 13 ms.
-    Frozen objects are still freed when their last reference goes; only cycles among
-    them wait for `gc.unfreeze()`. Processes that serve until they exit (the engine and
-    trainer children, the servers, Ray module actors) call it once set up.
-
-    It also raises the youngest generation's threshold to `RUN_GC_THRESHOLD0`: a train
-    step makes and drops a few thousand small containers (requests, samples, trajectory
-    dicts), and at Python's default of 700 the collections of the two young generations
-    that they set off took ~1.4 ms of each 30-40 ms step of the micro model (Zen 4).
-    And it keeps freed memory in the allocator for the next step (`retain_freed_heap`)."""
-    gc.collect()
-    gc.freeze()
-    retain_freed_heap()
-    young, *older = gc.get_threshold()
-    if young:  # 0: collection by threshold is off, and stays so
-        gc.set_threshold(max(young, RUN_GC_THRESHOLD0), *older)
-    return gc.get_freeze_count()
-
-
-@contextmanager
-def frozen_setup_heap() -> Iterator[int]:
-    """`freeze_setup_heap()` for the span of a run, then hand the objects back to the
-    collector, so that a process that runs again (a notebook, a sweep, a test session)
-    can reclaim the cycles of the runs it finished."""
-    thresholds = gc.get_threshold()
-    try:
-        yield freeze_setup_heap()
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)

@@ -2,8 +2,7 @@
 
 A spawned child imports the parent's `__main__` script again before it runs its target,
 so a script that starts a run at import, without an `if __name__ == "__main__":` guard,
-starts that run again in the child. This module imports nothing heavy: the trainer's
-child is spawned before the parent imports torch (`nexrl/training/trainer_spare.py`).
+starts that run again in the child.
 """
 
 from __future__ import annotations

@@ -168,8 +168,8 @@ class Batch:
             keys = list(shape)  # the usual batch, one shape: a tuple per row, then transposed
             columns = zip(*map(operator.itemgetter(*keys), trajectories), strict=True)
             return cls(dict(zip(keys, map(list, columns), strict=True)), metadata)
-        keys = dict.fromkeys(k for traj in trajectories for k in traj)
-        return cls({k: [traj.get(k) for traj in trajectories] for k in keys}, metadata)
+        names = dict.fromkeys(k for traj in trajectories for k in traj)
+        return cls({k: [traj.get(k) for traj in trajectories] for k in names}, metadata)
 
     def to_trajectories(self) -> list[Trajectory]:
         return [{k: v[i] for k, v in self.values.items()} for i in range(len(self))]

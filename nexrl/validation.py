@@ -79,9 +79,10 @@ class Validator(NexRLModule):
         if self._expected is not None:
             failed = self._failed() - self._failed_at_start
             return received + failed * n >= self._expected * n
-        return bool(execute(self._validate_dataloader.is_finished)) and bool(
-            self._activity_tracker.is_rollout_worker_quiescent()
-        )
+        loader, tracker = self._validate_dataloader, self._activity_tracker
+        if loader is None or tracker is None:
+            raise RuntimeError("validator: set_module_references and the tracker come first")
+        return bool(execute(loader.is_finished)) and bool(tracker.is_rollout_worker_quiescent())
 
     def compute_metrics(self) -> dict[str, float]:
         with self._lock:

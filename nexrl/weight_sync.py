@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from nexrl.config.schema import WeightConfig
 from nexrl.inference.protocol import WeightUpdateMeta
@@ -41,6 +41,9 @@ from nexrl.protocols import DataLoaderLike, TrackerLike
 from nexrl.rollout.admission import BatchPlan, GroupInfo, TaskAdmission
 from nexrl.rollout.sample_policy import SamplePolicy
 from nexrl.types import DEFAULT_MODEL_TAG, ModelTag, StepResult, Task
+
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTrackerProxy
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +88,14 @@ class WeightSyncController(NexRLModule):
         """`trajectory_pool` is accepted for the seed's signature and not kept: the pool
         calls this controller (`form_batch`), never the other way round."""
         self._dataloader, self._validate_dataloader = dataloader, validate_dataloader
-        self.admission.set_sources(dataloader, validate_dataloader, self._activity_tracker)
+        tracker = cast("TrackerLike | None", self._activity_tracker)
+        self.admission.set_sources(dataloader, validate_dataloader, tracker)
 
-    def set_activity_tracker(self, tracker: TrackerLike) -> None:
+    def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
         super().set_activity_tracker(tracker)
-        self.admission.set_sources(self._dataloader, self._validate_dataloader, tracker)
+        self.admission.set_sources(
+            self._dataloader, self._validate_dataloader, cast(TrackerLike, tracker)
+        )
 
     # -- tasks (rollout workers, pool) ------------------------------------------------
     def acquire_task(

@@ -1,8 +1,7 @@
 """Facts derived from a run config that the config check and the builders both need.
 
 No torch here: `load_config` checks them before anything heavy is imported, so a bad
-config fails in a fraction of a second and `nexrl train` can spawn a trainer child
-before its own imports (nexrl/training/trainer_spare.py).
+config fails in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def train_backend(cfg: DictConfig) -> str:
     registered by name (the child may not run that registration)."""
     backend = OmegaConf.select(cfg, "service.train_service.backend", default="builtin")
     if backend != "auto":
-        return backend
+        return str(backend)
     local = OmegaConf.select(cfg, "launch_mode", default="local") == "local"
     fully_async = OmegaConf.select(cfg, "weight.sync_mode", default="sync") == "fully-async"
     overlaps = OmegaConf.select(cfg, "weight.staleness_threshold", default=0) >= 1
@@ -80,4 +79,5 @@ def weights_in_memory(cfg: DictConfig) -> bool:
 
 def groups_per_batch(cfg: DictConfig) -> int:
     """Rollout groups (tasks) per train batch: what admission counts in."""
-    return max(1, cfg.trajectory_pool.batch_size // max(1, cfg.trajectory_pool.group_size))
+    pool = cfg.trajectory_pool
+    return max(1, int(pool.batch_size) // max(1, int(pool.group_size)))

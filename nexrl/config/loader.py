@@ -90,7 +90,7 @@ def warn_serial_groups(cfg: DictConfig) -> None:
         )  # fmt: skip
 
 
-def _explain(exc: BaseException) -> str:
+def _explain(exc: BaseException | None) -> str:
     parts, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

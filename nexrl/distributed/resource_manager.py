@@ -35,7 +35,6 @@ activity tracker.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Callable
@@ -46,7 +45,6 @@ import ray
 from omegaconf import DictConfig
 
 from nexrl.distributed.recovery import ActorRestartedError
-from nexrl.run_setup import freeze_setup_heap
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
@@ -139,8 +137,6 @@ class ModuleActor:
                 "its in-memory state; the run rewinds to its last checkpoint"
             )
             ray.get(journal.note_restart.remote(actor_id))
-        if actor_id != "driver":  # a process of its own, serving until it exits
-            freeze_setup_heap()
 
     def _replay(self, entries: list[tuple[str, str, tuple, dict]], tracker: Any) -> None:
         names = [args[0] for _, method, args, _ in entries if method == "set_module_name"]
@@ -189,10 +185,6 @@ class ModuleActor:
     def pid(self) -> int:
         """The actor's process id (fault-injection tests kill it)."""
         return os.getpid()
-
-    def frozen_objects(self) -> int:
-        """Objects this actor froze once its modules were built (`freeze_setup_heap`)."""
-        return gc.get_freeze_count()
 
     def torch_threads(self) -> int:
         """Threads torch computes with in this actor (`ray.torch_threads`)."""

@@ -60,7 +60,7 @@ from nexrl.inference.weights import (
     load_weights_into,
     state_dict_from_meta,
 )
-from nexrl.models.threads import release_workers, threads_for, use_threads
+from nexrl.models.threads import threads_for, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -240,16 +240,9 @@ class Engine:
 
     def _loop(self) -> None:
         if self.threads is not None:
-            # OpenMP teams are per thread: this sizes the engine's own. libgomp barely spins
-            # once a process holds more OpenMP threads than cores, so a second multi-threaded
-            # thread beside the engine (a trainer, or a main thread that loaded the model on
-            # several threads) makes every parallel region a sleep and wake-up: SmolLM2's
-            # bf16 decode step at 64 rows took 106 instead of 51 ms on 2 threads of 2 cores.
-            use_threads(self.threads)  # this thread's count only
+            use_threads(self.threads)  # this thread's count only (`threads_for`)
         while True:
             with self._cv:
-                if not self._has_work() and not self._stopping:
-                    release_workers()  # idle: the trainer's team may spin meanwhile
                 while not self._has_work() and not self._stopping:
                     self._cv.wait()
                 if self._stopping:

@@ -13,7 +13,6 @@ import orjson
 
 from nexrl.inference.health import OOM_EXIT_CODE, is_oom
 from nexrl.inference.protocol import GenerationRequest, SamplingParams, WeightUpdateMeta
-from nexrl.run_setup import collector_paused, freeze_setup_heap
 
 
 def child_main(conn, model_path: str, options: dict[str, Any]) -> None:
@@ -34,12 +33,10 @@ def child_main(conn, model_path: str, options: dict[str, Any]) -> None:
         torch.set_num_threads(1)
         options["threads"] = int(threads)
     try:
-        with collector_paused():  # what it builds lives as long as the process
-            engine = build_engine(model_path, **options)
+        engine = build_engine(model_path, **options)
     except Exception as exc:  # reported to the parent, which raises
         conn.send_bytes(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return
-    freeze_setup_heap()  # full collections then skip the imports and the model
     info = {"max_model_len": engine.max_model_len}
     conn.send_bytes(orjson.dumps({**info, "max_batch_size": getattr(engine, "max_batch_size", 1)}))
     lock = threading.Lock()

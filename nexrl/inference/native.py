@@ -7,21 +7,23 @@ whole attention in one call, reading each row's keys once and only up to its
 position (2.5-3x faster than the bmm path at 64 rows; `benchmarks/bench_generation.py`
 measures the engine with it).
 
-The library is compiled once per head size, element type and CPU (`cc -O3
--march=native`, about a second) into `$NEXRL_HOME/native/` and loaded with `ctypes`,
+The library is compiled once per head size, element type and x86-64 ISA level (`cc -O3
+-march=x86-64-v3` or `-v4` where the CPU has those instructions, else the architecture's
+baseline; never `-march=native`, so one build runs on every machine of its level, about a
+second) into `$NEXRL_HOME/native/` and loaded with `ctypes`,
 which releases the GIL during the call. Every freshly loaded library is checked
 against the torch reference before use. Without a C compiler, or with
 `NEXRL_NATIVE=0`, the engine keeps the torch path: same results, slower.
 
 Two element types: fp32, and bf16 (`-DBF16`: the cache and the tensors handed over are
 bf16, the arithmetic fp32). In bf16 the alternative is SDPA's fused CPU kernel, about
-2 ms per layer for SmolLM2's decode step at 64 rows on 2 AMD EPYC cores, against
+2 ms per layer for SmolLM2's decode step at 64 rows on 2 CPU cores, against
 0.2 ms here: 60 of the step's 130 ms.
 
 Inside a decode step the cache is cold (the step's weights have streamed through the
 caches since the layer's last visit), and the kernel ran at about 40% of its in-cache
 speed. Three things recover most of it, each measured on SmolLM2's bf16 decode step at
-64 rows (2 AMD EPYC cores): the query heads of one kv head are attended together, so
+64 rows (2 CPU cores): the query heads of one kv head are attended together, so
 each key and value is read once per kv head (attention 11.7 -> 8.6 ms of the step);
 the next block of keys and values is prefetched while one is attended; and where torch
 runs on libgomp the library is built with OpenMP and splits its (row, kv head) blocks
@@ -47,7 +49,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC")
 
 # (q, k_new, v_new, kc, vc, pos, rope=None) -> out (rows, heads, head_dim); appends k_new,
 # v_new at pos; with rope=(cos, sin) tables it also rotates q and k_new at pos first
@@ -59,14 +61,25 @@ def enabled() -> bool:
     return os.environ.get("NEXRL_NATIVE", "1") != "0"
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU model and flags (shared homes, mixed nodes)."""
+X86_64_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
+X86_64_V4 = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def isa_flags() -> tuple[str, ...]:
+    """`-march=x86-64-v4` / `-v3` where this x86-64 CPU has every instruction of that
+    level (the psABI's portable levels), else nothing (the compiler's baseline)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ()
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(keep))
+        return ()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    for level, needed in (("x86-64-v4", X86_64_V4), ("x86-64-v3", X86_64_V3)):
+        if needed <= have:
+            return (f"-march={level}",)
+    return ()
 
 
 def _build(head_dim: int, dtype: torch.dtype = torch.float32) -> Path | None:
@@ -86,10 +99,10 @@ def build_library(
     if compiler is None:
         logger.info("no C compiler found: %s stays on torch", source.name)
         return None
-    flags = (*FLAGS, f"-I{source.parent}", *defines, *DTYPES[dtype], *openmp_flags())
+    flags = (*FLAGS, *isa_flags(), f"-I{source.parent}", *defines, *DTYPES[dtype], *openmp_flags())
     texts = [source.read_text(), (source.parent / "elem.h").read_text()]
     key = hashlib.sha256(
-        "\0".join([*texts, compiler, *flags, platform.machine(), _cpu_id()]).encode()
+        "\0".join([*texts, compiler, *flags, platform.machine()]).encode()
     ).hexdigest()[:16]
     kind = str(dtype).removeprefix("torch.") + ("_fopenmp" if "-fopenmp" in flags else "")
     name = "_".join(x for x in (source.stem, kind, tag, key) if x)

@@ -114,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from nexrl.inference.client import create_engine
     from nexrl.inference.server import create_app
-    from nexrl.run_setup import freeze_setup_heap
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         weights_dirs=args.weights_dir,
         max_logprobs=args.max_logprobs,
     )
-    freeze_setup_heap()  # this process serves until it exits
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

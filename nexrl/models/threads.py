@@ -2,22 +2,15 @@
 one for a model on an accelerator.
 
 A local run computes on two threads of one process, the engine's and the trainer's,
-each with an OpenMP team of torch's thread count, beside the pipeline's other threads
-(rollout workers, the processor). libgomp spins between parallel regions only while
-the process holds at most as many OpenMP threads as cores; past that (two teams on 2
-cores, or one team beside the idle team of the thread that loaded the model) every
-region is a sleep and a wake-up. So: a thread that goes idle lets its workers exit
-(`release_workers`), and where the engine and the trainer compute at the same time a
-model under 1M parameters runs on one thread (`threads_for`). Measured on 2 cores
-(docs/performance.md, "Torch threads for a small model"): at 3.3k and 451k parameters
-one thread was faster there, at 3.2M, 12.6M and 135M torch's count was.
+each with its own torch thread pool, beside the pipeline's other threads (rollout
+workers, the processor). Where the engine and the trainer compute at the same time, a
+model under 1M parameters runs on one thread (`threads_for`): its operations are too
+small to gain from a pool, and two pools on the same cores wait on each other. A set
+`threads` option always wins.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -70,36 +63,3 @@ def _in_fresh_thread(fn: Callable[[], T]) -> T:
     thread.start()
     thread.join()
     return out[0]
-
-
-OMP_PAUSE_HARD = 2
-
-
-def release_workers() -> None:
-    """Let the calling thread's OpenMP workers exit (a thread that goes idle). libgomp
-    spins only while the process holds at most as many OpenMP threads as cores; every
-    idle team still counts, so the team computing next would sleep and wake up at each
-    parallel region. The next parallel op of this thread starts a new team."""
-    pause = _omp_pause_resource_all()
-    if pause is not None:
-        pause(OMP_PAUSE_HARD)
-
-
-@functools.cache
-def _omp_pause_resource_all() -> Callable[[int], int] | None:
-    """`omp_pause_resource_all` of the GNU OpenMP runtime torch loaded (None without one).
-    Only libgomp's: there a hard pause ends the calling thread's team and no other; LLVM's
-    libomp shuts its whole runtime down, whatever other threads run on it."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line}
-    except OSError:
-        return None
-    torch_lib = os.path.dirname(torch.__file__)
-    for path in sorted(paths, key=lambda p: (not p.startswith(torch_lib), p)):  # torch's first
-        if os.path.exists(path):
-            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-            if fn is not None:
-                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-                return fn
-    return None

@@ -288,7 +288,7 @@ class TaskAdmission:
             if fresh and len(fresh) >= max(need, 1):
                 plan.take = fresh[:need] if need else fresh
                 # one task per group, or several trajectories of one task (no grouping)
-                tasks = {groups[p].task_id for p in plan.take if groups[p].task_id is not None}
+                tasks = {t for p in plan.take if (t := groups[p].task_id) is not None}
                 plan.index = state.ledger.batch_formed(len(tasks) or len(plan.take))
                 for task_id in tasks:
                     state.pooled.pop(task_id, None)
@@ -362,7 +362,7 @@ class TaskAdmission:
         with self._io:
             loader = self._loader
             has_state = loader is not None and hasattr(loader, "state_dict")
-            loader_state = execute(loader.state_dict) if has_state else None
+            loader_state = execute(loader.state_dict) if loader is not None and has_state else None
             with self._cond:
                 formed = self._state(tag).formed
                 done = {task_id for i, ids in formed.items() if i < trained for task_id in ids}

@@ -9,9 +9,7 @@ it exports weights to files and pushes them over HTTP; here the weights cross
 through one file mapped by both processes (in /dev/shm when it has room).
 
 Start-up: the child imports torch, transformers and the engine first, then takes
-its config (the one pickled message: both ends are this code). `nexrl train` and the
-controller spawn one ahead (nexrl/training/trainer_spare.py), so those imports run
-while the parent imports and builds the rest of the run.
+its config (the one pickled message: both ends are this code).
 
 Wire: one pipe, one call at a time. Each message is `wire.pack` bytes: the
 tensors of a batch or of a result, plus JSON arguments.
@@ -38,8 +36,8 @@ from typing import Any
 import torch
 
 from nexrl.inference.health import describe_exit
-from nexrl.run_setup import collector_paused, freeze_setup_heap
-from nexrl.training import trainer_spare, wire
+from nexrl.spawn import spawn_context
+from nexrl.training import wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
 
@@ -57,7 +55,7 @@ class ProcessTrainEngine:
     its optimizer state would be lost; resume from a checkpoint instead."""
 
     def __init__(self, config: EngineConfig, model_path: str, threads: int | None = None) -> None:
-        self._proc, self._conn = trainer_spare.take_spare() or trainer_spare.spawn()
+        self._proc, self._conn = _spawn()
         self._lock = threading.Lock()
         self._step = 0
         self._views: dict[str, torch.Tensor] = {}  # name -> its tensor in the shared buffer
@@ -165,14 +163,22 @@ class ProcessTrainEngine:
 
 
 # -- the child -----------------------------------------------------------------------------
+def _spawn() -> tuple[Any, Any]:
+    """A new child and the parent's end of its pipe; the child waits for its config."""
+    ctx = spawn_context()
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=child_main, args=(child_conn,), name="nexrl-trainer", daemon=True)
+    proc.start()
+    child_conn.close()
+    return proc, conn
+
+
 def child_main(conn: Any) -> None:
-    """Import the engine, take its config from the pipe, build it and say so; then answer
-    calls until told to stop or the pipe closes."""
-    with collector_paused():  # what it builds lives as long as the process
-        engine = _build_engine(conn)
+    """Take the engine's config from the pipe, build it and say so; then answer calls
+    until told to stop or the pipe closes."""
+    engine = _build_engine(conn)
     if engine is None:
         return
-    freeze_setup_heap()  # full collections then skip the imports and the model
     start = {"fills_old_logprobs": bool(getattr(engine, "fills_old_logprobs", False))}
     start["has_ref"] = engine.ref_model is not None
     conn.send_bytes(wire.pack({}, {"step": engine.step, "result": start}))

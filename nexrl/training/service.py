@@ -27,7 +27,6 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from omegaconf import OmegaConf
 
-from nexrl.run_setup import freeze_setup_heap
 from nexrl.training import wire
 from nexrl.training.torch_engine import TorchTrainEngine
 
@@ -127,7 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(args.model_path or default_model_path()),
     )
     app = create_app(engine, args.api_key)
-    freeze_setup_heap()  # this process serves until it exits
     uvicorn.run(app, host=args.host, port=args.port)
     return 0
 

@@ -24,7 +24,6 @@ from typing import Any
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
 from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_to_arrays
-from nexrl.models.threads import release_workers
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.samples import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
@@ -207,7 +206,6 @@ class TrainWorker(LoopModule):
         extra = () if weights is None else (weights,)  # the tensors travel with the call
         execute(notify, self._module_name, self._model_tag, *extra)
         self._last_push = {"timing/push_s": time.perf_counter() - t_push}
-        release_workers()  # idle until the next batch: the engine's team may spin meanwhile
         self._step = step  # visible to the controller only once the new weights are served
 
     def _update(self, batch: Batch, timer: PhaseTimer | None = None) -> dict[str, float]:

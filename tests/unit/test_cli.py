@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from nexrl.cli import COMMANDS, check_engine_overrides, main, put_cwd_on_path
-from tests.fresh import run_fresh
 
 
 def _train(capsys, *args: str) -> tuple[int, str, str]:
@@ -173,31 +172,3 @@ def test_quickstart_reward_module_in_the_current_folder_local_mode(tmp_path) -> 
     assert (tmp_path / "called").read_text() == "yes"
 
 
-def test_train_spawns_the_trainer_child_before_importing_the_run(tmp_path) -> None:
-    """With `backend=process`, `nexrl train` spawns the trainer child before it imports
-    the controller, torch and transformers (their imports then overlap the child's);
-    a run that fails to build stops that child."""
-    script = textwrap.dedent(
-        f"""
-        import sys
-        from nexrl import cli
-        from nexrl.training import trainer_spare
-
-        spawn = trainer_spare.spawn
-        def traced():
-            loaded = [m for m in ("nexrl.controller", "transformers", "torch") if m in sys.modules]
-            print("loaded at spawn:", loaded, flush=True)
-            trainer_spare.spawned = spawn()
-            return trainer_spare.spawned
-        trainer_spare.spawn = traced
-        code = cli.main(["train", "service.train_service.backend=process",
-                         "model_path={tmp_path / "nowhere"}", "output_dir={tmp_path / "out"}"])
-        proc = trainer_spare.spawned[0]
-        proc.join(timeout=10)
-        print("exit", code, "child alive", proc.is_alive(), "spare", trainer_spare._spare)
-        """
-    )
-    proc = run_fresh(script)
-    assert "loaded at spawn: []" in proc.stdout
-    assert "exit 2 child alive False spare None" in proc.stdout
-    assert "nowhere" in proc.stderr

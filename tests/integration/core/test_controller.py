@@ -1,6 +1,5 @@
 """The controller end to end in local mode, on the tiny model, a few steps."""
 
-import gc
 import json
 from pathlib import Path
 
@@ -51,22 +50,6 @@ def check_phase_timings(lines):
         )
         assert parts <= line["timing/step_s"] + 1e-6
         assert line["timing/update_s"] <= line["timing/train_s"]
-
-
-def test_the_setup_heap_is_frozen_while_the_run_trains(small_config, monkeypatch):
-    frozen_during_training = []
-    train = NexRLController._train_then_validate
-
-    def watched(self):
-        frozen_during_training.append(gc.get_freeze_count())
-        train(self)
-
-    monkeypatch.setattr(NexRLController, "_train_then_validate", watched)
-    controller = NexRLController(small_config("validate.validate_before_train=false"))
-    controller.run()
-    assert frozen_during_training[0] > 100_000  # the imports, the model, the data
-    assert gc.get_freeze_count() == 0  # handed back to the collector after the run
-    assert [line["step"] for line in read_metrics(controller.run_dir) if "train/loss" in line]
 
 
 def test_resume_auto_continues_from_the_newest_checkpoint(small_config, tmp_path):

@@ -69,7 +69,6 @@ def test_ray_run_keeps_the_local_mode_contract(ray_local, ray_config):
     try:
         actors = controller.system.resource_manager.actors.values()
         assert [execute(a.torch_threads) for a in actors] == [2] * len(actors)
-        assert all(execute(a.frozen_objects) > 50_000 for a in actors)  # imports, modules
         final = controller.run()
     finally:
         controller.system.shutdown()

@@ -109,8 +109,7 @@ def test_configuration_reference_is_current():
 
 
 def test_loading_and_checking_a_config_imports_no_torch():
-    """A bad config fails before any heavy import, and `nexrl train` can spawn its
-    trainer child before importing torch (nexrl/training/trainer_spare.py)."""
+    """A bad config fails before any heavy import."""
     code = (
         "import sys\n"
         "from nexrl.config import ConfigError, load_config\n"

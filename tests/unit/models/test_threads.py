@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 
 import pytest
 import torch
 
 from nexrl.builders import engine_config
 from nexrl.config import load_config
-from nexrl.inference.engine import Engine
-from nexrl.models.threads import SMALL_MODEL_PARAMS, release_workers, threads_for, use_threads
+from nexrl.models.threads import SMALL_MODEL_PARAMS, threads_for, use_threads
 from nexrl.training.synthetic import random_batch
 from nexrl.training.torch_engine import TorchTrainEngine
 
@@ -80,58 +77,6 @@ def test_the_trainer_runs_the_tiny_model_on_the_threads_the_rule_picks(
         == expected
     )
     assert in_new_thread(lambda: engine.compute_logprobs(batch), threads=3) == expected
-
-
-def native_threads() -> set[int]:
-    """This process's OS threads that are not Python threads (OpenMP workers among them)."""
-    python = {t.native_id for t in threading.enumerate()}
-    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
-
-
-def test_release_workers_lets_the_calling_threads_openmp_workers_exit():
-    """A thread that ran a parallel op on two threads keeps an idle OpenMP worker, and
-    libgomp stops spinning for every team once idle ones push the process past its cores;
-    `release_workers` ends the calling thread's."""
-    seen: dict[str, set[int]] = {}
-
-    def body():
-        use_threads(2)
-        before = native_threads()
-        torch.ones(1_000_000).mul_(2)  # large enough to run on the team
-        seen["team"] = native_threads() - before
-        release_workers()
-        seen["left"] = set() if gone_within(seen["team"]) else seen["team"]
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join()
-    assert seen["team"]  # the team's worker
-    assert not seen["left"]
-    release_workers()  # a thread without a team: nothing to do, and no error
-
-
-def gone_within(threads: set[int], seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while threads & native_threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return not threads & native_threads()
-
-
-def test_the_engine_lets_its_team_go_when_it_runs_out_of_work(tiny_model_path):
-    """Between rollouts the engine's idle team would keep a trainer's team from spinning."""
-    engine = Engine(tiny_model_path, max_batch_size=4, threads=2)
-    try:
-        before = native_threads()
-
-        def parallel_op() -> set[int]:  # on the engine's thread, as a step's ops run
-            torch.ones(1_000_000).mul_(2)
-            return native_threads()
-
-        team = engine._command(parallel_op) - before
-        assert team
-        assert gone_within(team)
-    finally:
-        engine.shutdown()
 
 
 def config(tmp_path, *overrides):

@@ -110,66 +110,11 @@ def test_lora_exports_merged_weights_then_a_dead_process_fails_the_next_call(tin
     client.close()
 
 
-def test_a_prestarted_child_is_taken_and_a_bad_model_fails_start_up_naming_it(tmp_path):
-    """The engine takes the child `prestart` spawned; the child names the bad path."""
-    from nexrl.training import trainer_spare as pe
-
-    pe.prestart()
-    spare = pe._spare[0]
+def test_a_bad_model_fails_start_up_naming_it_and_the_child_returns(tmp_path):
+    """The child names the bad path in the start-up error, then exits cleanly."""
     broken = TrainServiceClient({"backend": "process"}, ENGINE, str(tmp_path / "missing"))
     with pytest.raises(Exception, match="missing"):
         broken.initialize()
-    assert pe._spare is None
-    spare.join(timeout=10)
-    assert spare.exitcode == 0  # it served the start (with the error) and returned
-
-
-def test_a_spare_child_that_died_is_dropped_not_taken(monkeypatch):
-    from nexrl.training import trainer_spare as pe
-
-    closed = []
-    dead = SimpleNamespace(is_alive=lambda: False)
-    monkeypatch.setattr(pe, "_spare", (dead, SimpleNamespace(close=lambda: closed.append(1))))
-    assert pe.take_spare() is None  # the engine then spawns a fresh child
-    assert closed == [1] and pe._spare is None
-
-
-def test_a_controller_that_fails_to_build_stops_its_prestarted_child(tmp_path, monkeypatch):
-    from nexrl.config import load_config
-    from nexrl.controller import NexRLController
-    from nexrl.training import trainer_spare as pe
-
-    spawned = []
-    spawn = pe.spawn
-    monkeypatch.setattr(pe, "spawn", lambda: spawned.append(spawn()) or spawned[-1])
-    overrides = ["service.train_service.backend=process", f"output_dir={tmp_path}"]
-    with pytest.raises(FileNotFoundError, match="nowhere"):
-        NexRLController(load_config([*overrides, f"model_path={tmp_path / 'nowhere'}"]))
-    assert pe._spare is None and len(spawned) == 1
-    assert spawned[0][0].exitcode == -signal.SIGKILL
-
-
-@pytest.mark.parametrize(
-    ("launch_mode", "backend", "spawns"),
-    [("local", "process", True), ("local", "builtin", False), ("ray", "process", False)],
-)
-def test_a_spare_is_spawned_only_for_a_local_trainer_process(
-    monkeypatch, launch_mode, backend, spawns
-):
-    """Ray actors and in-process trainers build their own engines: no child ahead."""
-    from omegaconf import OmegaConf
-
-    from nexrl.training import trainer_spare as pe
-
-    spawned = []
-    monkeypatch.setattr(pe, "spawn", lambda: spawned.append(1) or ("proc", "conn"))
-    monkeypatch.setattr(pe, "_spare", None)
-    cfg = OmegaConf.create(
-        {"launch_mode": launch_mode, "service": {"train_service": {"backend": backend}}}
-    )
-    assert pe.prestart_for(cfg) is spawns
-    assert pe.prestart_for(cfg) is spawns  # a waiting spare is not doubled
-    assert spawned == ([1] if spawns else [])
 
 
 def test_the_shared_buffer_holds_mixed_dtypes_and_odd_sizes_exactly(monkeypatch, tmp_path):
