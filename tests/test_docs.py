@@ -39,6 +39,7 @@ CHECKED = [
     "inference",
     "models",
     "monitoring",
+    "performance",
     "pools",
     "quickstart",
     "ray",
