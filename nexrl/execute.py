@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("NEXRL_EXECUTE_TIMEOUT_S", "600"))
 """Seconds `execute` / `resolve` wait on a Ray result when no `timeout` is given.
@@ -44,13 +48,26 @@ def is_remote(func: Any) -> bool:
     return callable(getattr(func, "remote", None))
 
 
-def execute(func: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-    """Call `func` and return its result, waiting on Ray if `func` is remote."""
+def execute(func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """Call `func` and return its result, waiting on Ray if `func` is remote.
+
+    Typed by `func`'s own signature: a reference typed by its Protocol
+    (nexrl/protocols.py) type-checks its calls, local and Ray alike (a Ray actor
+    method answers what the module's method answers). Waits the default timeout;
+    `execute_within` sets another."""
+    return execute_within(None, func, *args, **kwargs)
+
+
+def execute_within(
+    timeout: float | None, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> R:
+    """`execute` with at most `timeout` seconds of waiting on Ray (None: the default)."""
     if is_remote(func):
-        ref = func.remote(*args, **kwargs)
+        ref = func.remote(*args, **kwargs)  # type: ignore[attr-defined]
         name = _name(func)
         REMOTE_CALLS[name] += 1
-        return _get(ref, timeout, name)
+        result: R = _get(ref, timeout, name)
+        return result
     return func(*args, **kwargs)
 
 

@@ -52,7 +52,7 @@ def schema_keys(cls: type = RLTrainConfig, prefix: str = "") -> tuple[str, ...]:
     keys: list[str] = []
     for name, kind in _schema_fields(cls).items():
         keys.append(prefix + name)
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             keys.extend(schema_keys(kind, f"{prefix}{name}."))
     return tuple(keys)
 
@@ -93,7 +93,7 @@ def _unknown(cfg: Mapping[str, Any], cls: type, prefix: str) -> Iterator[str]:
             yield dotted
             continue
         value, kind = cfg[key], fields[key]
-        if dataclasses.is_dataclass(kind) and isinstance(value, Mapping):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind) and isinstance(value, Mapping):
             yield from _unknown(value, kind, dotted + ".")
 
 

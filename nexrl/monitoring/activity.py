@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from nexrl.execute import execute, is_remote
+from nexrl.execute import execute, execute_within, is_remote
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
 from nexrl.monitoring.loggers import ExperimentLogger, check_backend
 from nexrl.monitoring.outbox import QUEUED, outbox_for
@@ -164,7 +164,7 @@ class ActivityTracker:
         dead = []
         for name, ref in refs.items():
             try:
-                alive = execute(ref.health_check, timeout=timeout)
+                alive = execute_within(timeout, ref.health_check)
             except Exception as exc:  # a dead module is the answer, not an error here
                 logger.warning("module %s failed its health check: %r", name, exc)
                 alive = False

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from nexrl.distributed.recovery import ActorRestartedError
 from nexrl.distributed.resource_manager import GroupOptions, RayResourceManager
 from nexrl.distributed.settings import RaySettings, actor_env
-from nexrl.execute import ModuleDiedError, execute
+from nexrl.execute import ModuleDiedError, execute, execute_within
 from nexrl.module import NexRLModule
 from nexrl.monitoring import ActivityTracker
 from nexrl.types import NexRLRole
@@ -114,7 +114,7 @@ def test_a_killed_actor_fails_calls_and_health_checks_within_the_timeout(ray_loc
     t0 = time.monotonic()
     with pytest.raises(ModuleDiedError, match=r"validator_0\.add: the Ray actor"):
         while time.monotonic() - t0 < 30:
-            execute(module.add, 1, timeout=5.0)
+            execute_within(5.0, module.add, 1)
     assert not tracker.check_module_liveness(timeout=5.0)
     assert tracker.get_dead_modules() == ["validator"]
     assert time.monotonic() - t0 < 30  # bounded, not the 600 s default
@@ -134,7 +134,7 @@ def test_a_restarted_actor_replays_its_setup_and_drops_lost_work(ray_local):
     deadline = time.monotonic() + 60
     with pytest.raises(ActorRestartedError, match="'data' \\(validator_0\\) restarted"):
         while time.monotonic() < deadline:  # retried on the restarted actor, which is fenced
-            execute(module.pid, timeout=60)
+            execute_within(60, module.pid)
             time.sleep(0.05)
     assert manager.restarted() == {"data": ["validator_0"]}
     assert manager.restarted() == {}  # each restart is reported once
