@@ -170,5 +170,3 @@ def test_quickstart_reward_module_in_the_current_folder_local_mode(tmp_path) -> 
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "called").read_text() == "yes"
-
-
