@@ -414,7 +414,12 @@ class Sandbox:
         prog["wall_s"], prog["output_bytes"] = limits.wall_s, limits.output_bytes
         with self._slots:
             box = self._take()
-            results, error = self._exchange(box, prog, secret, limits, deadline_s + 5)
+            try:
+                results, error = self._exchange(box, prog, secret, limits, deadline_s + 5)
+            except EOFError:  # a reused sandbox retired after its last job: use a fresh one
+                self._discard(box)
+                box = self._spawn()
+                results, error = self._exchange(box, prog, secret, limits, deadline_s + 5)
             box.served += 1
             if (
                 error is None
@@ -443,9 +448,16 @@ class Sandbox:
         frames = [header, prog, {**secret, "key": key.hex()}]
         assert box.popen.stdin is not None and box.popen.stdout is not None
         if not write_all(box.popen.stdin.fileno(), frames, deadline):
+            if box.served and box.popen.poll() is not None:
+                raise EOFError("the sandbox retired")
             return None, "the sandbox did not take the job (it died or hung)"
         cap = (limits.output_bytes * 2 + 4096) * MAX_CASES * 2
-        frame = read_frame(box.popen.stdout.fileno(), deadline, cap)
+        try:
+            frame = read_frame(box.popen.stdout.fileno(), deadline, cap)
+        except EOFError:
+            if box.served:
+                raise
+            frame = None
         if frame is None:
             return None, "no result from the sandbox (it died, hung or sent too much)"
         return _authentic(frame, key, job_id)

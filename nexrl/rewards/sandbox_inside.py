@@ -353,6 +353,8 @@ def grade_calls(prog, secret, kids):
 def clean(modes):
     """Empty the writable directories and reset them; False if something could not be removed."""
     for top, mode in modes.items():
+        with contextlib.suppress(OSError):
+            os.chmod(top, stat.S_IRWXU)
         for dirpath, dirnames, _ in os.walk(top):  # top-down: open each directory before entering
             for name in dirnames:
                 path = os.path.join(dirpath, name)

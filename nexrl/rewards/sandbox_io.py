@@ -32,9 +32,15 @@ def write_all(fd: int, frames: list[dict], deadline: float) -> bool:
 
 
 def read_frame(fd: int, deadline: float, cap: int) -> bytes | None:
-    """One frame's body; None on EOF, a length over `cap`, or the deadline."""
-    head = _read_exact(fd, 4, deadline)
-    if head is None:
+    """One frame's body; None on EOF, a length over `cap`, or the deadline.
+
+    Raises EOFError if the writer closed before the frame's first byte (it was gone).
+    """
+    ready = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]
+    if ready and not (first := os.read(fd, 1)):
+        raise EOFError("the sandbox closed its end")
+    head = first + (_read_exact(fd, 3, deadline) or b"") if ready else None
+    if head is None or len(head) < 4:
         return None
     (n,) = struct.unpack(">I", head)
     if n > cap:
