@@ -16,7 +16,9 @@ Every figure is `RewardRunner.ascore` called by 64 concurrent asyncio tasks
   test per reward, 1 or 16 rollouts in flight. With `--baseline REV` the same
   rows for the code reward and sandboxes of git revision REV (`baseline_*`,
   whose default was the one-shot `Sandbox`, one run per test) and the ratios
-  `*_vs_baseline`, all measured in the same run.
+  `*_vs_baseline`, all measured in the same run. Each row first scores one
+  untimed round (one reward per concurrent caller), so sandboxes are started
+  as in a job that has been running for a while.
 - `reward_model`: a tiny random-init sequence classifier, batched
   (batch_size=32) vs one forward per call (`rm_batched_vs_unbatched`).
 - `judge`: the generative judge against `nexrl serve` (tiny built-in model,
@@ -163,6 +165,9 @@ def bench_code(n: int, settle_s: float, baseline: str | None, tmp: Path) -> dict
             with kind(limits=limits, pool_size=8, max_concurrency=CONCURRENCY) as box:
                 time.sleep(settle_s)  # let the warm pool fill, as in a running job
                 with RewardRunner(reward_cls(box), timeout_s=120) as runner:
+                    # one untimed round: every concurrent caller's sandbox started, as in a
+                    # job that has been running for a while
+                    asyncio.run(drive(runner, code_calls(concurrency, n_tests), concurrency))
                     calls = code_calls(n, n_tests)
                     out[prefix + name] = asyncio.run(drive(runner, calls, concurrency))
     if baseline:

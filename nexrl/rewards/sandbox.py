@@ -224,8 +224,9 @@ class Sandbox:
     ) -> list[CallResult]:
         """Run each test's code (at most MAX_CASES) against its own copy of the program.
 
-        The program (`setup` + `code`) runs in a program process; the test code
-        runs in the job process, where each of `names` is a stub that calls the
+        The program (`setup` + `code`) runs in a program process per test; each
+        test's code runs at the same time in its own checker process (forked
+        from the job process, each with `wall_s`), where each of `names` is a stub that calls the
         program's function of that name and gets back its result converted to
         plain builtin values (anything else fails the test). The test code, its
         expected values and the key never enter a program process.
@@ -234,7 +235,7 @@ class Sandbox:
         _check_cases(tests)
         prog = {"mode": "call", "code": code, "setup": setup, "stdins": [""] * len(tests)}
         prog["names"] = list(names)
-        deadline = limits.wall_s * (len(tests) + 1)
+        deadline = limits.wall_s * 2  # the programs start, then the tests run side by side
         results, error = self._job(prog, {"tests": list(tests)}, limits, deadline_s=deadline)
         if results is None or not _well_formed(results, len(tests), _CALL_SHAPE):
             self._count_error()
@@ -451,7 +452,7 @@ class Sandbox:
             if box.served and box.popen.poll() is not None:
                 raise EOFError("the sandbox retired")
             return None, "the sandbox did not take the job (it died or hung)"
-        cap = (limits.output_bytes * 2 + 4096) * MAX_CASES * 2
+        cap = (limits.output_bytes * 2 + 4096) * MAX_CASES * 7  # JSON escapes: <= 6x
         try:
             frame = read_frame(box.popen.stdout.fileno(), deadline, cap)
         except EOFError:
