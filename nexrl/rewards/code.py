@@ -11,7 +11,7 @@ passed. Two test styles, read from the dataset row:
   Expected outputs never enter the sandbox; the host compares.
 - function call: `tests=["assert add(1, 2) == 3", ...]` (MBPP), or one
   HumanEval-style `test_code` defining `check(candidate)` plus `entry_point`.
-  The test code runs in the sandbox's job process, not in the program's: the
+  The test code runs in a checker process of the sandbox, not in the program's: the
   program's functions are reached through stubs whose results come back as
   plain builtin values (`sandbox_inside.encode`), so an object whose `__eq__`
   always says yes cannot be returned, and tracing hooks, patched builtins or
