@@ -167,7 +167,8 @@ def bench_code(n: int, settle_s: float, baseline: str | None, tmp: Path) -> dict
                 with RewardRunner(reward_cls(box), timeout_s=120) as runner:
                     # one untimed round: every concurrent caller's sandbox started, as in a
                     # job that has been running for a while
-                    asyncio.run(drive(runner, code_calls(concurrency, n_tests), concurrency))
+                    warm = code_calls(min(concurrency, n), n_tests)
+                    asyncio.run(drive(runner, warm, concurrency))
                     calls = code_calls(n, n_tests)
                     out[prefix + name] = asyncio.run(drive(runner, calls, concurrency))
     if baseline:
