@@ -35,8 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
-import hmac
 import json
 import os
 import queue
@@ -54,7 +52,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from nexrl.rewards.sandbox_io import read_frame, write_all
+from nexrl.rewards.sandbox_io import (
+    CALL_SHAPE,
+    EXEC_SHAPE,
+    authentic,
+    read_frame,
+    well_formed,
+    write_all,
+)
 from nexrl.rewards.sandbox_seccomp import SeccompUnavailableError, bpf_pipe, filter_bpf
 
 Isolation = Literal["bwrap", "none_unsafe"]
@@ -205,7 +210,7 @@ class Sandbox:
         start = time.monotonic()
         results, error = self._job(prog, {}, limits, deadline_s=limits.wall_s)
         duration = time.monotonic() - start
-        if results is None or not _well_formed(results, len(stdins), _EXEC_SHAPE):
+        if results is None or not well_formed(results, len(stdins), EXEC_SHAPE):
             error = error or "malformed results"
             self._count_error()
             return [ExecResult(None, "", "", error=error, duration_s=duration) for _ in stdins]
@@ -237,7 +242,7 @@ class Sandbox:
         prog["names"] = list(names)
         deadline = limits.wall_s * 2  # the programs start, then the tests run side by side
         results, error = self._job(prog, {"tests": list(tests)}, limits, deadline_s=deadline)
-        if results is None or not _well_formed(results, len(tests), _CALL_SHAPE):
+        if results is None or not well_formed(results, len(tests), CALL_SHAPE):
             self._count_error()
             return [CallResult(False, error=error or "malformed results") for _ in tests]
         return [CallResult(p, t, d) for p, t, d in results]
@@ -461,7 +466,7 @@ class Sandbox:
             frame = None
         if frame is None:
             return None, "no result from the sandbox (it died, hung or sent too much)"
-        return _authentic(frame, key, job_id)
+        return authentic(frame, key, job_id)
 
     def _rlimits(self, limits: SandboxLimits) -> dict[str, int]:
         mb = 1 << 20
@@ -498,44 +503,6 @@ class Sandbox:
 def _check_cases(cases: Sequence[str]) -> None:
     if not 1 <= len(cases) <= MAX_CASES:
         raise ValueError(f"a sandbox job has 1 to {MAX_CASES} cases, got {len(cases)}")
-
-
-_EXEC_SHAPE = ((int, type(None)), str, str, bool, bool)
-_CALL_SHAPE = (bool, bool, str)
-
-
-def _well_formed(results: Any, n: int, shape: tuple) -> bool:
-    if type(results) is not list or len(results) != n:
-        return False
-    return all(
-        type(r) is list
-        and len(r) == len(shape)
-        and all(
-            isinstance(v, t) and (t is not int or type(v) is not bool)
-            for v, t in zip(r, shape, strict=False)
-        )
-        for r in results
-    )
-
-
-def _authentic(frame: bytes, key: bytes, job_id: int) -> tuple[list | None, str | None]:
-    """The results of a result frame if its MAC checks out and it answers `job_id`."""
-    try:
-        msg = json.loads(frame)
-    except ValueError:
-        return None, "malformed result frame (not JSON)"
-    if not isinstance(msg, dict):
-        return None, "malformed result frame (not an object)"
-    body, mac = msg.get("body"), msg.get("mac")
-    if not (isinstance(body, str) and isinstance(mac, str)):
-        return None, f"sandbox error: {str(msg.get('error', 'result without body and MAC'))[:200]}"
-    expected = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(expected, mac):
-        return None, "result not authenticated (wrong MAC)"
-    parsed = json.loads(body)  # authentic: written by our own job process
-    if parsed.get("id") != job_id:
-        return None, "result for another job"
-    return parsed["results"], None
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Frames between the host and a sandbox: 4-byte big-endian length + JSON, with deadlines.
+"""Frames between the host and a sandbox: 4-byte big-endian length + JSON, with deadlines;
+the checks a result frame must pass (signed with the job's key, well-formed).
 
 Host side only. Every read and write is bounded by a deadline, so a sandbox
 that stops reading or writing (hung, stopped, flooding) cannot block a
@@ -7,11 +8,14 @@ reward thread past it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import select
 import struct
 import time
+from typing import Any
 
 
 def write_all(fd: int, frames: list[dict], deadline: float) -> bool:
@@ -64,3 +68,41 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
+
+
+EXEC_SHAPE = ((int, type(None)), str, str, bool, bool)
+CALL_SHAPE = (bool, bool, str)
+
+
+def well_formed(results: Any, n: int, shape: tuple) -> bool:
+    if type(results) is not list or len(results) != n:
+        return False
+    return all(
+        type(r) is list
+        and len(r) == len(shape)
+        and all(
+            isinstance(v, t) and (t is not int or type(v) is not bool)
+            for v, t in zip(r, shape, strict=False)
+        )
+        for r in results
+    )
+
+
+def authentic(frame: bytes, key: bytes, job_id: int) -> tuple[list | None, str | None]:
+    """The results of a result frame if its MAC checks out and it answers `job_id`."""
+    try:
+        msg = json.loads(frame)
+    except ValueError:
+        return None, "malformed result frame (not JSON)"
+    if not isinstance(msg, dict):
+        return None, "malformed result frame (not an object)"
+    body, mac = msg.get("body"), msg.get("mac")
+    if not (isinstance(body, str) and isinstance(mac, str)):
+        return None, f"sandbox error: {str(msg.get('error', 'result without body and MAC'))[:200]}"
+    expected = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, mac):
+        return None, "result not authenticated (wrong MAC)"
+    parsed = json.loads(body)  # authentic: written by our own job process
+    if parsed.get("id") != job_id:
+        return None, "result for another job"
+    return parsed["results"], None

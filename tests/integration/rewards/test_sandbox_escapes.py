@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from nexrl.rewards.sandbox import Sandbox, SandboxUnavailableError, _authentic, _world_accessible
+from nexrl.rewards.sandbox import Sandbox, SandboxUnavailableError, _world_accessible
+from nexrl.rewards.sandbox_io import authentic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -181,7 +182,7 @@ def test_malformed_or_forged_frames_are_errors_not_exceptions() -> None:
     body = json.dumps({"id": 7, "results": [[0, "", "", False, False]]})
     mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
     good = json.dumps({"body": body, "mac": mac}).encode()
-    assert _authentic(good, key, 7) == ([[0, "", "", False, False]], None)
+    assert authentic(good, key, 7) == ([[0, "", "", False, False]], None)
     bad = {
         b"not json": "not JSON",
         b"[1, 2]": "not an object",
@@ -190,7 +191,7 @@ def test_malformed_or_forged_frames_are_errors_not_exceptions() -> None:
         good: "another job",
     }
     for frame, why in bad.items():
-        results, error = _authentic(frame, key, 8 if why == "another job" else 7)
+        results, error = authentic(frame, key, 8 if why == "another job" else 7)
         assert results is None and why in error, (frame, error)
 
 
