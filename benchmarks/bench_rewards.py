@@ -9,10 +9,16 @@ Every figure is `RewardRunner.ascore` called by 64 concurrent asyncio tasks
 - `math_numeric`: GSM8K-style completions (`#### n`), numeric path only.
 - `math_symbolic`: `\\boxed{...}` fractions/expressions, math-verify in its
   process pool (the calls come from threads, so the off-main-thread path).
-- `code_sandboxed`: MBPP-style programs with 3 assert tests each in the bwrap
-  sandbox (3 sandboxed runs per reward), with the warm pool; `code_cold` the
-  same with no pre-started sandboxes (pool_size=0). `code_warm_vs_cold` is
-  their ratio.
+- `code_sandboxed`: the default code reward (fork-server bwrap sandbox, warm
+  pool of 8) on MBPP-style programs with 3 assert tests each (one sandbox job,
+  3 program processes per reward); `code_one_shot` the same with one fresh
+  sandbox per job (`Sandbox`); `code_1test_sequential` / `_16_threads` one
+  test per reward, 1 or 16 rollouts in flight. With `--baseline REV` the same
+  rows for the code reward and sandboxes of git revision REV (`baseline_*`,
+  whose default was the one-shot `Sandbox`, one run per test) and the ratios
+  `*_vs_baseline`, all measured in the same run. Each row first scores one
+  untimed round (one reward per concurrent caller), so sandboxes are started
+  as in a job that has been running for a while.
 - `reward_model`: a tiny random-init sequence classifier, batched
   (batch_size=32) vs one forward per call (`rm_batched_vs_unbatched`).
 - `judge`: the generative judge against `nexrl serve` (tiny built-in model,
@@ -42,21 +48,26 @@ from nexrl.rewards.code import CodeReward
 from nexrl.rewards.math import gsm8k_reward, math_reward
 from nexrl.rewards.runner import RewardRunner
 from nexrl.rewards.sandbox import Sandbox, SandboxLimits
+from nexrl.rewards.sandbox_forkserver import ForkServerSandbox
 
 CONCURRENCY = 64
 ROW_NOTES = [
     "math_numeric: `gsm8k` reward, `#### n` completions, in-thread.",
     "math_symbolic: `math` reward on \\boxed fractions; math-verify in its process pool.",
-    "code_sandboxed: `code` reward, 3 assert tests = 3 bwrap runs per reward, warm pool of 8.",
-    "code_cold: the same with no pre-started sandboxes (pool_size=0).",
+    "code_sandboxed: default `code` reward (fork server), 3 assert tests per reward, pool of 8.",
+    "code_one_shot: the same with one fresh bwrap sandbox per job; code_1test_*: 1 test per "
+    "reward, 1 or 16 rollouts in flight; baseline_*: the same rows for --baseline's code.",
     "reward_model: tiny random Qwen2 classifier, batch_size=32; _unbatched: batch_size=1.",
     "judge: `nexrl serve` tiny model, 8 tokens per judgement; all replies unparseable (garbage "
     "model), so `failed` = 256 is the expected count and rewards/s = judgements completed/s.",
 ]
+BASELINE = "ba593a597e58f8e3c16e6afb1a27d0609c42cf2a"
 
 
-async def drive(runner: RewardRunner, calls: list[tuple[str, str, dict]]) -> dict[str, Any]:
-    """Score `calls` with CONCURRENCY tasks in flight; rewards/s and failure counts."""
+async def drive(
+    runner: RewardRunner, calls: list[tuple[str, str, dict]], concurrency: int = CONCURRENCY
+) -> dict[str, Any]:
+    """Score `calls` with `concurrency` tasks in flight; rewards/s and failure counts."""
     pending = iter(calls)
     outcomes: list[Any] = []
 
@@ -65,7 +76,7 @@ async def drive(runner: RewardRunner, calls: list[tuple[str, str, dict]]) -> dic
             outcomes.append(await runner.ascore(prompt, completion, [], [], row))
 
     start = time.perf_counter()
-    await asyncio.gather(*(rollout() for _ in range(CONCURRENCY)))
+    await asyncio.gather(*(rollout() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     failed = sum(not o.ok for o in outcomes)
     return {
@@ -92,8 +103,9 @@ def math_calls(n: int, symbolic: bool) -> list[tuple[str, str, dict]]:
     return calls
 
 
-def code_calls(n: int) -> list[tuple[str, str, dict]]:
+def code_calls(n: int, n_tests: int = 3) -> list[tuple[str, str, dict]]:
     tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
+    tests = tests[:n_tests]
     good = "```python\ndef add(a, b):\n    return a + b\n```"
     bad = "```python\ndef add(a, b):\n    return a - b\n```"
     return [("q", good if i % 2 else bad, {"tests": tests}) for i in range(n)]
@@ -109,15 +121,58 @@ def bench_math(n: int, n_symbolic: int) -> dict[str, Any]:
     return out
 
 
-def bench_code(n: int, settle_s: float) -> dict[str, Any]:
-    out = {}
+def load_baseline(rev: str, tmp: Path) -> Any:
+    """The code reward and sandboxes as they were at git revision `rev`, as a temp package."""
+    root = Path(__file__).resolve().parents[1]
+    pkg = tmp / "nexrl_baseline_rewards"
+    pkg.mkdir()
+    (pkg / "__init__.py").touch()
+    for name in ("sandbox", "sandbox_forkserver", "code"):
+        src = subprocess.run(
+            ["git", "show", f"{rev}:nexrl/rewards/{name}.py"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (pkg / f"{name}.py").write_text(src.replace("nexrl.rewards.", "nexrl_baseline_rewards."))
+    sys.path.insert(0, str(tmp))
+    import nexrl_baseline_rewards.code as code
+    import nexrl_baseline_rewards.sandbox_forkserver as fork_server
+
+    return code.CodeReward, code.Sandbox, fork_server.ForkServerSandbox
+
+
+def bench_code(n: int, settle_s: float, baseline: str | None, tmp: Path) -> dict[str, Any]:
+    """Default code reward vs the one-shot sandbox, and vs `baseline`'s, in one run."""
+    out: dict[str, Any] = {}
     limits = SandboxLimits(wall_s=20, cpu_s=5)
-    for name, pool_size in (("code_sandboxed", 8), ("code_cold", 0)):
-        with Sandbox(limits=limits, pool_size=pool_size, max_concurrency=CONCURRENCY) as box:
-            time.sleep(settle_s)  # let the warm pool fill, as in a running job
-            with RewardRunner(CodeReward(box), timeout_s=120) as runner:
-                out[name] = asyncio.run(drive(runner, code_calls(n)))
-    out["code_warm_vs_cold"] = out["code_sandboxed"]["per_s"] / out["code_cold"]["per_s"]
+    impls = {"": (CodeReward, Sandbox, ForkServerSandbox)}
+    if baseline:
+        impls["baseline_"] = load_baseline(baseline, tmp)
+    for prefix, (reward_cls, one_shot, fork_server) in impls.items():
+        # the new default is the fork server; the baseline's default was the one-shot Sandbox
+        default = fork_server if not prefix else one_shot
+        runs = [
+            ("code_sandboxed", default, 3, CONCURRENCY),
+            *([("code_one_shot", one_shot, 3, CONCURRENCY)] if not prefix else []),
+            *([("code_fork_server", fork_server, 3, CONCURRENCY)] if prefix else []),
+            ("code_1test_sequential", default, 1, 1),
+            ("code_1test_16_threads", default, 1, 16),
+        ]
+        for name, kind, n_tests, concurrency in runs:
+            with kind(limits=limits, pool_size=8, max_concurrency=CONCURRENCY) as box:
+                time.sleep(settle_s)  # let the warm pool fill, as in a running job
+                with RewardRunner(reward_cls(box), timeout_s=120) as runner:
+                    # one untimed round: every concurrent caller's sandbox started, as in a
+                    # job that has been running for a while
+                    warm = code_calls(min(concurrency, n), n_tests)
+                    asyncio.run(drive(runner, warm, concurrency))
+                    calls = code_calls(n, n_tests)
+                    out[prefix + name] = asyncio.run(drive(runner, calls, concurrency))
+    if baseline:
+        for name in ("code_sandboxed", "code_1test_sequential", "code_1test_16_threads"):
+            out[f"{name}_vs_baseline"] = out[name]["per_s"] / out["baseline_" + name]["per_s"]
     return out
 
 
@@ -253,6 +308,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="intra-op threads of the reward model (2 threads on a shared 2-core box ran 10x "
         "slower per call than 1: OpenMP barriers wait on descheduled threads)",
     )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="git revision whose code reward and sandboxes are measured in the same run "
+        f"(the figures in results/ used {BASELINE}, the last commit before the hardening)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -272,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for phase in (
             lambda: bench_math(n_math, n_sym),
-            lambda: bench_code(n_code, settle_s=0.2 if args.smoke else 2.0),
+            lambda: bench_code(n_code, 0.2 if args.smoke else 2.0, args.baseline, Path(tmp)),
             lambda: bench_reward_model(n_rm, Path(tmp)),
             *([lambda: bench_judge(n_judge)] if n_judge else []),
         ):

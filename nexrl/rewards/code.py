@@ -1,32 +1,39 @@
 """Code-execution reward: run a completion's program against unit tests in the sandbox.
 
-Each test is its own sandboxed run (one failing or hanging test cannot take the
-others down, and no state leaks between them); the reward is the fraction that
+Each test runs against its own program process (one failing or hanging test
+cannot take the others down, and no state passes between them); up to
+`MAX_CASES` tests share one sandbox job. The reward is the fraction that
 passed. Two test styles, read from the dataset row:
 
 - stdin/stdout: `tests=[{"input": "1 2\\n", "output": "3\\n"}, ...]` (or the
   APPS/TACO shape `tests={"inputs": [...], "outputs": [...]}`): the program
   reads stdin, its stdout must equal `output` (trailing whitespace ignored).
+  Expected outputs never enter the sandbox; the host compares.
 - function call: `tests=["assert add(1, 2) == 3", ...]` (MBPP), or one
   HumanEval-style `test_code` defining `check(candidate)` plus `entry_point`.
-  The test runs after the program; it passes when the process exits 0 *and*
-  prints a per-run random marker after the assertion, so a program that calls
-  `exit(0)` early does not pass.
+  The test code runs in a checker process of the sandbox, not in the program's: the
+  program's functions are reached through stubs whose results come back as
+  plain builtin values (`sandbox_inside.encode`), so an object whose `__eq__`
+  always says yes cannot be returned, and tracing hooks, patched builtins or
+  introspection in the program cannot touch the test code or see its
+  expected values. A test passes when its code runs without raising.
 
-Optional row keys: `test_setup` (code before the tests, MBPP's
-`test_setup_code`), `code_prefix` (prepended to the extracted code, e.g. a
-HumanEval prompt the completion continues).
+Optional row keys: `test_setup` (code before the program and before the tests,
+MBPP's `test_setup_code`), `code_prefix` (prepended to the extracted code,
+e.g. a HumanEval prompt the completion continues).
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
-import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nexrl.rewards.sandbox import ExecResult, Isolation, Sandbox, SandboxLimits
+from nexrl.rewards.sandbox import MAX_CASES, Isolation, Sandbox, SandboxLimits
+from nexrl.rewards.sandbox_forkserver import ForkServerSandbox
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
 
@@ -79,6 +86,30 @@ def parse_tests(row: Mapping[str, Any]) -> list[dict[str, str]]:
     return parsed
 
 
+def program_names(tests: Sequence[str], setup: str, entry_point: str | None = None) -> list[str]:
+    """Names the tests call that neither Python nor the tests nor the setup define: the
+    program's functions, which the grader reaches through stubs (never its own builtins)."""
+    loaded: set[str] = set()
+    bound: set[str] = set()
+    for i, src in enumerate([setup, *tests]):
+        try:
+            tree = ast.parse(src)
+        except SyntaxError as exc:
+            where = "test_setup" if i == 0 else f"tests[{i - 1}]"
+            raise ValueError(f"code reward: {where} is not valid Python: {exc}") from None
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (loaded if isinstance(node.ctx, ast.Load) and i else bound).add(node.id)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+            elif isinstance(node, ast.alias):
+                bound.add((node.asname or node.name).split(".")[0])
+    names = loaded - bound - set(dir(builtins))
+    return sorted(names | ({entry_point} if entry_point else set()))
+
+
 class CodeReward:
     """The code reward bound to one sandbox; call it like any reward function."""
 
@@ -90,35 +121,38 @@ class CodeReward:
         tests = parse_tests(row)
         code = str(row.get("code_prefix") or "") + extract_code(completion)
         setup = str(row.get("test_setup") or "")
-        programs = [self._program(code, setup, t) for t in tests]
-        futures = [self.sandbox.submit(prog, stdin, self.limits) for prog, stdin, _ in programs]
-        results = [f.result() for f in futures]
+        io = [t for t in tests if "assert" not in t]
+        calls = [t["assert"] for t in tests if "assert" in t]
+        names = program_names(calls, setup, row.get("entry_point")) if calls else []
+        box = self.sandbox
+        futures = [
+            box.submit_fn(
+                box.run_cases, setup + "\n" + code, [t["input"] for t in chunk], self.limits
+            )
+            for chunk in _chunks(io)
+        ]
+        futures += [
+            box.submit_fn(box.run_calls, code, chunk, names, setup, self.limits)
+            for chunk in _chunks(calls)
+        ]
+        results = [r for f in futures for r in f.result()]
         passed = sum(
-            self._passed(t, r, marker)
-            for t, r, (_, _, marker) in zip(tests, results, programs, strict=True)
+            r.ok and _same_output(r.stdout, t["output"])
+            for t, r in zip(io, results[: len(io)], strict=True)
         )
-        timeouts = sum(r.timed_out for r in results)
+        passed += sum(r.passed for r in results[len(io) :])
         return {
             "reward": passed / len(tests),
-            "scores": {"tests_passed": float(passed), "tests_timed_out": float(timeouts)},
+            "scores": {
+                "tests_passed": float(passed),
+                "tests_timed_out": float(sum(r.timed_out for r in results)),
+                "sandbox_errors": float(sum(r.error is not None for r in results)),
+            },
         }
 
-    @staticmethod
-    def _program(code: str, setup: str, test: dict[str, str]) -> tuple[str, str, str]:
-        """(program, stdin, marker) for one test."""
-        if "assert" not in test:
-            return f"{setup}\n{code}", test["input"], ""
-        marker = secrets.token_hex(8)
-        return f"{setup}\n{code}\n\n{test['assert']}\nprint({marker!r})\n", "", marker
 
-    @staticmethod
-    def _passed(test: dict[str, str], result: ExecResult, marker: str) -> bool:
-        if not result.ok:
-            return False
-        if marker:
-            lines = result.stdout.rstrip().splitlines()
-            return bool(lines) and lines[-1] == marker
-        return _same_output(result.stdout, test["output"])
+def _chunks(items: list) -> list[list]:
+    return [items[i : i + MAX_CASES] for i in range(0, len(items), MAX_CASES)]
 
 
 _default_lock = threading.Lock()
@@ -131,13 +165,19 @@ def configure_code_reward(
     limits: SandboxLimits | None = None,
     pool_size: int = 4,
     max_concurrency: int = 64,
+    fork_server: bool = True,
 ) -> CodeReward:
-    """(Re)build the sandbox behind the registered `code` reward; returns the reward."""
+    """(Re)build the sandbox behind the registered `code` reward; returns the reward.
+
+    `fork_server` (bwrap only): a `ForkServerSandbox` (each sandbox serves many
+    jobs, about 5x the throughput) rather than one fresh sandbox per job.
+    """
     global _default
     with _default_lock:
         if _default is not None:
             _default.sandbox.close()
-        sandbox = Sandbox(
+        kind = ForkServerSandbox if fork_server and isolation == "bwrap" else Sandbox
+        sandbox = kind(
             isolation=isolation, limits=limits, pool_size=pool_size, max_concurrency=max_concurrency
         )
         _default = CodeReward(sandbox)
@@ -145,7 +185,7 @@ def configure_code_reward(
 
 
 def code_reward(prompt: str, completion: str, **row: Any) -> dict[str, Any]:
-    """The registered `code` reward: a shared bwrap sandbox, built on first use."""
+    """The registered `code` reward: a shared fork-server bwrap sandbox, built on first use."""
     with _default_lock:
         reward = _default
     if reward is None:

