@@ -290,6 +290,8 @@ class Actor(TrainEngine):
         picked = pred.gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(pred, -1)
         logps = torch.nn.functional.pad(picked, (1, 0))
         batch = {k: v.to(logits.device) for k, v in mb.items() if isinstance(v, torch.Tensor)}
+        if "ref_logp" in batch:  # the seed's key for the reference logprobs
+            batch.setdefault("ref_logprobs", batch.pop("ref_logp"))
         if "old_logprobs" not in batch:
             batch["old_logprobs"] = batch.get("logprobs", logps.detach())
         loss, _ = compute_loss(

@@ -9,8 +9,8 @@ path without `name` / `data_files` loads as nexrl's loader does
 (`hf.load_hf_dataset`: a file, a `save_to_disk` folder, a data folder).
 
 `split_dataset_by_node` is `datasets.distributed.split_dataset_by_node`
-(rank `rank` of `world_size` gets every world_size-th row); `apply_map` runs
-a row function `fn(example, idx) -> example` over the table with
+(rank `rank` of `world_size` gets the rank-th contiguous 1/world_size of the
+rows); `apply_map` runs a row function `fn(example, idx) -> example` over the table with
 `with_indices=True`, the seed's `process_example`. `prepare_dataset` chains the
 three: what the training loader needs from one config.
 """
