@@ -113,6 +113,8 @@ class LocalToolingEnv:
 
     def register_tool(self, fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
         """Add `fn` as a tool (usable as a decorator); a duplicate name is an error."""
+        if not callable(fn):
+            raise TypeError(f"register_tool needs a callable, got {type(fn).__name__}")
         tool = LocalTool.from_function(fn, name)
         if tool.name in self._tools:
             raise ValueError(f"tool {tool.name!r} is already registered")
