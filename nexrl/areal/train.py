@@ -184,7 +184,7 @@ class TrainEngine:
         if not mbs or not sum(weights):
             return None
         self.model.eval()
-        losses = [loss_fn(self._output(mb), mb).float().cpu() * w for mb, w in zip(mbs, weights)]
+        losses = [loss_fn(self._output(mb), mb).float().cpu() * w for mb, w in zip(mbs, weights, strict=True)]
         return torch.stack(losses).sum() / sum(weights)
 
     @torch.no_grad()
@@ -276,7 +276,11 @@ class Actor(TrainEngine):
         rewards = input_["rewards"].float()
         if "values" in input_:
             adv, ret = gae(
-                rewards, input_["values"].float(), mask, self._opt("gamma", 1.0), self._opt("lam", 1.0)
+                rewards,
+                input_["values"].float(),
+                mask,
+                self._opt("gamma", 1.0),
+                self._opt("lam", 1.0),
             )
             return {"advantages": adv, "returns": ret}
         groups = input_.get("group_index", torch.zeros(len(rewards), dtype=torch.long))

@@ -84,7 +84,8 @@ class MCPToolingEnv:
 
             return call
 
-        return {t["function"]["name"]: caller(t["function"]["name"]) for t in self.tool_schemas or []}
+        names = [t["function"]["name"] for t in self.tool_schemas or []]
+        return {name: caller(name) for name in names}
 
     async def aexecute(self, tool_name: str, tool_args: dict[str, Any]) -> str:
         """Seed 004's call: the text the model reads (errors included, never raised)."""

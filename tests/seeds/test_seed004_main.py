@@ -79,7 +79,9 @@ def write_config(tmp_path, model: str) -> str:
 @pytest.mark.slow
 def test_main_grpo_as_written(gsm8k_cache, time_model_path, tmp_path, capsys):
     argv = ["--config", write_config(tmp_path, time_model_path), "rollout.workflow.num_turns=1"]
-    wcfg = WeightUpdateMeta(type="disk", path=str(tmp_path / "sync"), alloc_mode=None, comm_backend=None)
+    wcfg = WeightUpdateMeta(
+        type="disk", path=str(tmp_path / "sync"), alloc_mode=None, comm_backend=None
+    )
 
     # ---- the seed's main_grpo ----
     dataset = load_dataset("openai/gsm8k", "main", split="train")  # CHANGED: config "main"
@@ -215,7 +217,9 @@ def test_the_dataset_section_runs_on_the_cached_hub_dataset(gsm8k_cache):
         batch_size=batch_size,
         shuffle=True,
         drop_last=True,
-        collate_fn=lambda x: x,  # Can change the data batch packing method by changing this parameter
+        collate_fn=lambda x: (
+            x
+        ),  # Can change the data batch packing method by changing this parameter
     )
     rows = []
     for data in dataloader:

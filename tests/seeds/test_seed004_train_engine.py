@@ -41,7 +41,10 @@ def nll(logits: torch.Tensor, mb: dict) -> torch.Tensor:
 @pytest.fixture
 def engine(tiny_model_path):
     eng = TrainEngine(
-        {"path": tiny_model_path, "engine": {"lr": 1e-2, "micro_batch_tokens": 24, "lr_schedule": "cosine"}}
+        {
+            "path": tiny_model_path,
+            "engine": {"lr": 1e-2, "micro_batch_tokens": 24, "lr_schedule": "cosine"},
+        }
     )
     eng.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=40, train_batch_size=4))
     yield eng
@@ -113,7 +116,9 @@ def test_upload_then_update_moves_the_trained_weights_to_the_inference_engine(en
     try:
         assert rollout.check_health() and rollout.version == 0
         engine.train_batch(batch(engine.model.config.vocab_size), nll, None)
-        meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "sync"), alloc_mode=None, comm_backend=None)
+        meta = WeightUpdateMeta(
+            type="disk", path=str(tmp_path / "sync"), alloc_mode=None, comm_backend=None
+        )
         future = rollout.update_weights(meta)  # waits for the upload
         assert not future.done()
         engine.upload_weights(meta)
@@ -154,7 +159,13 @@ def test_gae_matches_a_hand_computation():
 
 @pytest.mark.slow
 def test_ppo_with_a_critic_the_value_loss_falls(tiny_model_path):
-    cfg = {"path": tiny_model_path, "engine": {"lr": 5e-3}, "ppo_n_minibatches": 2, "gamma": 1.0, "lam": 0.95}
+    cfg = {
+        "path": tiny_model_path,
+        "engine": {"lr": 5e-3},
+        "ppo_n_minibatches": 2,
+        "gamma": 1.0,
+        "lam": 0.95,
+    }
     actor, critic = Actor(cfg), Critic(cfg)
     actor.initialize()
     critic.initialize()

@@ -45,7 +45,9 @@ class MyRolloutWorkflow:
         self.env = LocalToolingEnv()
         self.env.register_tool(get_current_time)
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Tensor]:
+    async def arun_episode(
+        self, engine: InferenceEngine, data: dict[str, Any]
+    ) -> dict[str, Tensor]:
         tokenizer = engine.tokenizer  # FILLED: the seed's `tokenizer` is a global it never sets
         message = [
             # CHANGED: "content", not "message": chat templates read the `content` key
@@ -112,7 +114,9 @@ class MyToolExecutorWorkflow:  # the seed's second `MyRolloutWorkflow`
         self.tool_executor = ToolExecutor(tokenizer)
         self.tool_executor.register_tool(add)  # the seed registers get_current_time
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Tensor]:
+    async def arun_episode(
+        self, engine: InferenceEngine, data: dict[str, Any]
+    ) -> dict[str, Tensor]:
         req = LLMRequest(
             input_ids=data["input_ids"], gconfig=GenerationHyperparameters(greedy=True)
         )
@@ -138,7 +142,9 @@ class MyToolExecutorWorkflow:  # the seed's second `MyRolloutWorkflow`
 
 def test_the_tool_executor_workflow_appends_tool_ids_between_turns(add_engine):
     tok = add_engine.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "2+3?"}], add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "2+3?"}], add_generation_prompt=True
+    )
     workflow = MyToolExecutorWorkflow(Config(), tok)
     batch = add_engine.rollout_batch([{"input_ids": list(prompt)}], workflow)
     (traj,) = batch.trajectories
@@ -151,7 +157,9 @@ def test_the_tool_executor_workflow_appends_tool_ids_between_turns(add_engine):
 
 
 # ---- seed: "Rule-based reward" --------------------------------------------------------------
-def reward_fn(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **kwargs):
+def reward_fn(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **kwargs
+):
     # prompt: prompt string (the task this data needs to complete)
     # ... (the seed's comments)
     pass
