@@ -184,7 +184,10 @@ class TrainEngine:
         if not mbs or not sum(weights):
             return None
         self.model.eval()
-        losses = [loss_fn(self._output(mb), mb).float().cpu() * w for mb, w in zip(mbs, weights, strict=True)]
+        losses = [
+            loss_fn(self._output(mb), mb).float().cpu() * w
+            for mb, w in zip(mbs, weights, strict=True)
+        ]
         return torch.stack(losses).sum() / sum(weights)
 
     @torch.no_grad()
