@@ -19,13 +19,29 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nexrl.data.hf import load_hf_dataset
 
-__all__ = ["apply_map", "import_fn", "load_dataset", "prepare_dataset", "split_dataset_by_node"]
+__all__ = [
+    "apply_map",
+    "import_fn",
+    "is_hub_name",
+    "load_dataset",
+    "prepare_dataset",
+    "split_dataset_by_node",
+]
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*$")
+
+
+def is_hub_name(path: str) -> bool:
+    """`org/name` that is not a local path: a Hugging Face Hub dataset id."""
+    return bool(_HUB_NAME.match(path)) and not Path(path).exists()
 
 
 def _offline() -> bool:

@@ -233,3 +233,28 @@ def test_the_dataset_section_runs_on_the_cached_hub_dataset(gsm8k_cache):
 def test_a_hub_name_missing_from_the_offline_cache_fails_in_one_line(gsm8k_cache):
     with pytest.raises(ValueError, match=r"'openai/no_such'.*datasets cache \(offline mode\)"):
         load_dataset("openai/no_such", split="train")
+
+
+def test_the_run_loader_takes_a_hub_name(gsm8k_cache):
+    from nexrl.data import HFDataLoader
+
+    loader = HFDataLoader({"path": "openai/gsm8k", "prompt_key": "question", "shuffle": False})
+    assert len(loader) == 4 and loader.get_next_item()["question"] == "What is 1+1?"
+    with pytest.raises(ValueError, match="'openai/nothing_here'.*offline"):
+        HFDataLoader({"path": "openai/nothing_here", "prompt_key": "question"})
+
+
+def add_query_id(example, idx):
+    return {**example, "query_id": str(idx), "prompt": example["question"]}
+
+
+def test_prepare_dataset_maps_then_keeps_the_ranks_share(gsm8k_cache):
+    from nexrl.data.hub import prepare_dataset
+
+    spec = f"{__name__}:add_query_id"
+    ds = prepare_dataset("openai/gsm8k", "main", map_fn=spec, rank=0, world_size=2)
+    assert ds["query_id"] == ["0", "1"] and ds["prompt"] == GSM8K["question"][:2]
+    with pytest.raises(ValueError, match="no function 'missing'"):
+        prepare_dataset("openai/gsm8k", "main", map_fn=f"{__name__}:missing")
+    with pytest.raises(ValueError, match="outside world_size"):
+        prepare_dataset("openai/gsm8k", "main", rank=2, world_size=2)
