@@ -4,7 +4,9 @@ differently: each is accepted and mapped, or refused with a message naming nexrl
 Accepted (mapped):
 - `rollout_worker.type: single_turn_math` -> `single_turn` with `reward_fn: math` (unless
   a reward_fn is given);
-- `logger.backend` as a string (`wandb`, or `jsonl,console` on the command line) -> a list.
+- `logger.backend` as a string (`wandb`, or `jsonl,console` on the command line) -> a list;
+- seed 004's `rollout.workflow.KEY=VALUE` -> `rollout_worker.workflow_kwargs.config.KEY`
+  (an agent workflow's `config`, handed over with attribute access).
 
 Refused with nexrl's equivalent: the `mock` worker / processor / train backend / data
 loader, `nextrainer`, `train_batch_pool.batch_size`, `weight.checkpoint_manager`,
@@ -110,6 +112,9 @@ def rewrite_overrides(overrides: list[str]) -> list[str]:
         if key == "logger.backend" and not value.startswith("["):
             names = [n.strip() for n in value.strip("'\"").split(",") if n.strip()]
             item = f"{raw_key}=[{','.join(names)}]"
+        if key.startswith("rollout.workflow."):  # seed 004: the workflow's own config
+            sub = key.removeprefix("rollout.workflow.")
+            item = f"+rollout_worker.workflow_kwargs.config.{sub}={value}"
         if key == "rollout_worker.type" and value == "single_turn_math":
             item = f"{raw_key}=single_turn"
             if "rollout_worker.reward_fn" not in keys:

@@ -87,3 +87,29 @@ def test_single_turn_math_in_a_yaml_file(tmp_path):
         config_dir=write(tmp_path, {"rollout_worker": {"type": "single_turn_math"}}),
     )
     assert (cfg.rollout_worker.type, cfg.rollout_worker.reward_fn) == ("single_turn", "math")
+
+
+class TurnsWorkflow:
+    """A seed-004 style workflow: reads its config by attribute."""
+
+    def __init__(self, config):
+        self.config = config
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+def test_the_seeds_rollout_workflow_keys_reach_an_agent_workflow_typed():
+    from nexrl.builders import section
+    from nexrl.rollout.agent import build_workflow
+
+    cfg = load_config(
+        [
+            "rollout_worker.type=agent",
+            f"rollout_worker.workflow={__name__}:TurnsWorkflow",
+            "rollout.workflow.num_turns=2",
+            "rollout.workflow.tool=calc",
+        ]
+    )
+    workflow = build_workflow(section(cfg.rollout_worker), None)
+    assert workflow.config.num_turns == 2 and workflow.config.tool == "calc"
