@@ -21,7 +21,7 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from nexrl.areal.types import FinetuneSpec, LLMRequest, LLMResponse, WeightUpdateMeta
 from nexrl.areal.workflow import DistributedBatch, accept_fn, as_nexrl_workflow
@@ -93,7 +93,9 @@ class InferenceEngine:
                 from nexrl.inference.engine import Engine
 
                 self._engine = Engine(self._opt("path"), **dict(self._opt("engine", {})))
-        self._executor = WorkflowExecutor(self, max_concurrent=int(self._opt("max_concurrent", 64)))
+        # the executor hands `self` to the episodes: they call this class's `agenerate`
+        concurrency = int(self._opt("max_concurrent", 64))
+        self._executor = WorkflowExecutor(cast(Any, self), max_concurrent=concurrency)
 
     @property
     def engine(self) -> Any:

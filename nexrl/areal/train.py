@@ -153,6 +153,11 @@ class TrainEngine:
         if isinstance(loss_fn, str):
             if self.kind == "critic":
                 raise ValueError("a Critic's loss_fn must be a callable (e.g. value_loss)")
+            if callable(loss_weight_fn):
+                raise TypeError(
+                    f"train_batch(loss_fn={loss_fn!r}): with a registered loss name the third "
+                    "argument is the loss's keyword arguments (a dict), not a weight function"
+                )
             batch = Batch(values=dict(input_), metadata={})
             return self.engine.train_batch(batch, loss_fn, dict(loss_weight_fn or {}))
         weight_fn = loss_weight_fn if callable(loss_weight_fn) else token_count
@@ -322,7 +327,10 @@ class Critic(TrainEngine):
     @torch.no_grad()
     def compute_values(self, input_: dict[str, Any]) -> torch.Tensor:
         """(B, T) values (the state before each token)."""
-        return self.forward(input_)
+        values = self.forward(input_)
+        if values is None:
+            raise ValueError("compute_values: the batch has no rows")
+        return values
 
     def _loss(self, values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
         batch = {k: v.to(values.device) for k, v in mb.items() if isinstance(v, torch.Tensor)}

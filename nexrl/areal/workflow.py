@@ -17,7 +17,7 @@ the same).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -114,7 +114,7 @@ class _SeedWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> EpisodeResult:
         result = await self.workflow.arun_episode(self.engine, data)
-        return to_trajectories(result, getattr(self.engine, "tokenizer", None))
+        return cast(EpisodeResult, to_trajectories(result, getattr(self.engine, "tokenizer", None)))
 
 
 def as_nexrl_workflow(workflow: Any, engine: Any) -> RolloutWorkflow:

@@ -66,11 +66,13 @@ class ValueEngine:
         ).logits[..., 0]  # (B, T): value after reading token t
         return torch.nn.functional.pad(out[:, :-1], (1, 0)) * attention_mask.to(out.device)
 
+    # `checkpoint` reads model, optimizer, scheduler, step, rank and model_path: the torch
+    # engine's attributes, which this engine has too
     def save(self, path: str) -> None:
-        checkpoint.save(self, path)
+        checkpoint.save(self, path)  # type: ignore[arg-type]
 
     def load(self, path: str) -> None:
-        checkpoint.load(self, path)
+        checkpoint.load(self, path)  # type: ignore[arg-type]
 
 
 def gae(

@@ -51,6 +51,7 @@ def engine(tiny_model_path):
     eng.destroy()
 
 
+@pytest.mark.slow
 def test_a_callable_loss_trains_and_the_schedule_moves_only_when_stepped(engine):
     data = batch(engine.model.config.vocab_size)
     before = engine.eval_batch(data, nll, lambda mb: float(mb["loss_mask"].sum()))
@@ -183,3 +184,12 @@ def test_ppo_with_a_critic_the_value_loss_falls(tiny_model_path):
         actor.ppo_update(data)
     assert losses[-1] < 0.5 * losses[0]
     assert actor.engine.step == 12 and critic.engine.step == 12
+
+
+def test_a_registered_loss_name_takes_the_engines_own_step(engine):
+    data = batch(engine.model.config.vocab_size)
+    data["advantages"] = data["loss_mask"].clone()
+    stats = engine.train_batch(data, "ppo_clip", {"clip_low": 0.2, "clip_high": 0.28})
+    assert stats["step"] == 1.0 and engine.engine.step == 1 and stats["loss_tokens"] > 0
+    with pytest.raises(TypeError, match="keyword arguments"):
+        engine.train_batch(data, "ppo_clip", lambda mb: 1.0)
