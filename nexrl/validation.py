@@ -89,10 +89,15 @@ class Validator(NexRLModule):
         if not trajs:
             return {}
         metrics = {
-            "val/reward": statistics.fmean(float(t["reward"]) for t in trajs),
             "val/response_length": statistics.fmean(len(t["response_ids"]) for t in trajs),
             "val/num_samples": float(len(trajs)),
         }
+        scored = [t for t in trajs if t.get("reward") is not None]  # `simple` workers: None
+        if len(scored) < len(trajs):
+            metrics["val/unscored"] = float(len(trajs) - len(scored))
+        trajs = scored
+        if trajs:
+            metrics["val/reward"] = statistics.fmean(float(t["reward"]) for t in trajs)
         score_keys = {k for t in trajs for k in (t.get("scores") or {})}
         for key in sorted(score_keys):
             vals = [float(t["scores"][key]) for t in trajs if key in (t.get("scores") or {})]

@@ -1,6 +1,7 @@
 """Seed 000's usage snippets (activity tracking, debugging tools) and the names it documents
 that no other test covered: TrajectoryPoolInstance's and WeightSyncController's seed
-methods, get_batch_any, easy_dump, _put_rollout_task, set_train_step, resume.mode=from_path.
+methods, get_batch_any, easy_dump, _put_rollout_task, set_train_step, SimpleRolloutWorker,
+resume.mode=from_path.
 Changes to a snippet are marked `# CHANGED:`."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nexrl import NexRLController, NexRLRole
+from nexrl import Batch, GRPOProcessor, NexRLController, NexRLRole
 from nexrl.config import load_config
 from nexrl.config.schema import TrajectoryPoolConfig
 from nexrl.execute import execute
@@ -158,3 +159,33 @@ def test_resume_from_path_sets_the_train_step(small_overrides, tmp_path):
     worker = second.system.train_workers[0]
     assert execute(worker.get_train_step) == 3  # set_train_step(2) on resume, then one step
     assert metric_steps(second.run_dir) == [3]
+
+
+class LengthScoringProcessor(GRPOProcessor):
+    """The "later stage" that scores a `simple` worker's trajectories: reward = length."""
+
+    def _fit(self, batch: Batch, update_fn: str) -> None:
+        assert set(batch.values["reward"]) == {None}  # the simple worker left them unscored
+        batch.values["reward"] = [float(len(r)) for r in batch.values["response_ids"]]
+        super()._fit(batch, update_fn)
+
+
+@pytest.mark.slow
+def test_simple_worker_generates_unscored_groups_a_later_stage_scores(small_overrides):
+    controller = NexRLController(
+        load_config(
+            [
+                *small_overrides,
+                "rollout_worker.type=simple",
+                f"algorithm.type={__name__}:LengthScoringProcessor",
+                "train_worker.total_train_steps=2",
+            ]
+        )
+    )
+    assert type(controller.system.rollout_workers[0]).__name__ == "SimpleRolloutWorker"
+    controller.run()
+    assert metric_steps(controller.run_dir) == [1, 2]
+    lines = (Path(controller.run_dir) / "metrics.jsonl").read_text().splitlines()
+    final = [x for x in map(json.loads, lines) if "val/num_samples" in x][-1]
+    assert final["val/unscored"] == final["val/num_samples"] == 8  # none scored, none lost
+    assert "val/reward" not in final
