@@ -4,7 +4,8 @@ Validation is complete when every task of the validation set came back, as
 `n_samples` trajectories or as a counted failure; the controller then logs:
 
 - `val/reward`, `val/response_length`, `val/num_samples`, and the mean of each
-  named reward component (`val/<name>`);
+  named reward component (`val/<name>`); rewards and pass@k are over the scored
+  samples, and `val/unscored` counts those without a reward (a `simple` worker's);
 - `val/time_s`: seconds from the start of the validation to its metrics;
 - per source (the row column `validate.source_key`, e.g. `data_source`, when the
   rows have it): `val/<source>/reward`;
