@@ -4,7 +4,8 @@ Validation is complete when every task of the validation set came back, as
 `n_samples` trajectories or as a counted failure; the controller then logs:
 
 - `val/reward`, `val/response_length`, `val/num_samples`, and the mean of each
-  named reward component (`val/<name>`);
+  named reward component (`val/<name>`); rewards and pass@k are over the scored
+  samples, and `val/unscored` counts those without a reward (a `simple` worker's);
 - `val/time_s`: seconds from the start of the validation to its metrics;
 - per source (the row column `validate.source_key`, e.g. `data_source`, when the
   rows have it): `val/<source>/reward`;
@@ -90,10 +91,15 @@ class Validator(NexRLModule):
         if not trajs:
             return {}
         metrics = {
-            "val/reward": statistics.fmean(float(t["reward"]) for t in trajs),
             "val/response_length": statistics.fmean(len(t["response_ids"]) for t in trajs),
             "val/num_samples": float(len(trajs)),
         }
+        scored = [t for t in trajs if t.get("reward") is not None]  # `simple` workers: None
+        if len(scored) < len(trajs):
+            metrics["val/unscored"] = float(len(trajs) - len(scored))
+        trajs = scored
+        if trajs:
+            metrics["val/reward"] = statistics.fmean(float(t["reward"]) for t in trajs)
         score_keys = {k for t in trajs for k in (t.get("scores") or {})}
         for key in sorted(score_keys):
             vals = [float(t["scores"][key]) for t in trajs if key in (t.get("scores") or {})]

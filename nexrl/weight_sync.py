@@ -285,3 +285,11 @@ class WeightSyncController(NexRLModule):
             self._waiting_for_validation = False
             self._lock.notify_all()
         self.admission.hold(model_tag, "validation", False)
+
+    # -- seed 000 name (a thin alias) --------------------------------------------------------
+    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> dict[str, int]:
+        """Seed 000's "a batch is ready" call. In nexrl the pool reports a batch through
+        `form_batch`, which does the coordination (staleness check, sync-mode hold), so this
+        name changes nothing; it returns the admission state of `model_tag` (counts of tasks
+        in flight, held, dropped) for callers that check it."""
+        return self.get_admission_state(model_tag)

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from nexrl.config import seed_aliases
 from nexrl.config.derived import groups_per_batch, train_backend, weights_in_memory
 from nexrl.config.schema import CHOICES, RLTrainConfig
 from nexrl.config.suggest import ConfigError, check_known_keys, explain_unknown_key
@@ -37,18 +38,20 @@ def load_config(
     """Compose `config_name` from `config_dir` (default: the packaged configs) with overrides."""
     register_schema()
     directory = Path(config_dir).resolve() if config_dir else PACKAGE_CONFIG_DIR
+    overrides = seed_aliases.rewrite_overrides(list(overrides or []))  # seed 000/003 spellings
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(directory), version_base=None):
             cfg = compose(
                 config_name,
-                overrides=[*(overrides or []), "hydra.searchpath=[pkg://nexrl.config]"],
+                overrides=[*overrides, "hydra.searchpath=[pkg://nexrl.config]"],
             )
     except Exception as exc:  # hydra wraps the useful message in the cause chain
         msg = _explain(exc)
-        raise ConfigError(explain_unknown_key(msg) or msg) from exc
+        raise ConfigError(seed_aliases.explain(msg) or explain_unknown_key(msg) or msg) from exc
     finally:
         GlobalHydra.instance().clear()
+    seed_aliases.check(cfg)
     check_known_keys(cfg)
     validate_choices(cfg)
     warn_serial_groups(cfg)

@@ -179,6 +179,10 @@ def load_hf_dataset(path: str, split: str = "train"):
 
     p = Path(path)
     if not p.exists():
+        from nexrl.data.hub import is_hub_name, load_dataset
+
+        if is_hub_name(path):  # `org/name`: the Hub, through the datasets cache
+            return load_dataset(path, split=split)
         raise ValueError(f"data.path {path!r} does not exist")
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()

@@ -33,9 +33,59 @@ class ToolResult:
     truncated: bool = False
 
 
+class ToolList(list):
+    """Tool schemas that are a plain list *and* awaitable: `env.list_tools()` reads as the
+    seed's synchronous call (`apply_chat_template(msgs, tools=env.list_tools())`) and as
+    nexrl's `await env.list_tools()`."""
+
+    def __await__(self):
+        return self._itself().__await__()
+
+    async def _itself(self) -> ToolList:
+        return self
+
+    # The coroutine protocol, so `asyncio.run(env.list_tools())` and `create_task` take it
+    # as they took the coroutine `list_tools` once returned: it finishes at the first step.
+    def send(self, value: Any) -> None:
+        raise StopIteration(self)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> None:
+        raise val if val is not None else typ
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class MCPToolingEnvConfig:
+    """Where an `MCPToolingEnv` finds its server (seed 004's config object).
+
+    url: a streamable-HTTP endpoint (`http://127.0.0.1:8000/mcp`); or
+    command: a stdio server to launch (`["python", "server.py"]`), with `env` for it.
+    timeout_s / max_output_chars: per-call limits (`CallLimits`).
+    """
+
+    url: str | None = None
+    command: list[str] | None = None
+    env: dict[str, str] | None = None
+    timeout_s: float | None = 30.0
+    max_output_chars: int = 8192
+
+    def server(self) -> str | list[str]:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("MCPToolingEnvConfig: set exactly one of `url` and `command`")
+        return self.url if self.url is not None else list(self.command or [])
+
+
 @runtime_checkable
 class ToolingEnv(Protocol):
-    """A set of tools a policy can call during an episode."""
+    """A set of tools a policy can call during an episode.
+
+    Seed 004 names, on both environments: `ainitialize()` (connect / prepare),
+    `aexecute(name, args) -> str` (the text the model reads), `tool_schemas` (the list
+    `list_tools` returns) and `tool_registry` (name -> callable). `call_tool` is nexrl's
+    richer form of `aexecute` (a `ToolResult` with error flag and latency).
+    """
 
     async def list_tools(self) -> list[dict[str, Any]]:
         """OpenAI tool schemas: `{"type": "function", "function": {name, description,
@@ -45,6 +95,11 @@ class ToolingEnv(Protocol):
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult: ...
 
     async def aclose(self) -> None: ...
+
+
+async def aexecute(env: ToolingEnv, tool_name: str, tool_args: dict[str, Any]) -> str:
+    """Seed 004's `aexecute`: the call's text (an error is text the model reads too)."""
+    return (await env.call_tool(tool_name, tool_args)).content
 
 
 @dataclass

@@ -22,7 +22,15 @@ from typing import Any, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from nexrl.envs.base import CallLimits, ToolMetrics, ToolResult, guarded_call, render_output
+from nexrl.envs.base import (
+    CallLimits,
+    ToolList,
+    ToolMetrics,
+    ToolResult,
+    aexecute,
+    guarded_call,
+    render_output,
+)
 
 _SECTION = re.compile(r"^(?:Args|Arguments|Parameters):\n((?:[ \t]+.*(?:\n|$)|\n)*)", re.M)
 _ARG = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
@@ -85,7 +93,9 @@ class LocalToolingEnv:
     """Tools from Python functions, registered per instance (no global state).
 
     Example: `env = LocalToolingEnv(); env.register_tool(add)`; then
-    `await env.list_tools()` and `await env.call_tool("add", {"a": 1, "b": 2})`.
+    `await env.list_tools()` and `await env.call_tool("add", {"a": 1, "b": 2})`, or in
+    seed 004's words `env.list_tools()` (no await needed) and
+    `await env.aexecute("add", {"a": 1, "b": 2})`.
     """
 
     def __init__(
@@ -103,14 +113,41 @@ class LocalToolingEnv:
 
     def register_tool(self, fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
         """Add `fn` as a tool (usable as a decorator); a duplicate name is an error."""
+        if not callable(fn):
+            raise TypeError(f"register_tool needs a callable, got {type(fn).__name__}")
         tool = LocalTool.from_function(fn, name)
         if tool.name in self._tools:
             raise ValueError(f"tool {tool.name!r} is already registered")
         self._tools[tool.name] = tool
         return fn
 
-    async def list_tools(self) -> list[dict[str, Any]]:
-        return [t.schema for t in self._tools.values()]
+    def list_tools(self) -> ToolList:
+        """The tools' OpenAI schemas: a list, awaitable too (`ToolList`)."""
+        return ToolList(t.schema for t in self._tools.values())
+
+    @staticmethod
+    def generate_schema(func: Callable[..., Any]) -> dict[str, Any]:
+        """The OpenAI tool schema of `func` (from its type hints and docstring)."""
+        return LocalTool.from_function(func).schema
+
+    @property
+    def tool_registry(self) -> dict[str, Callable[..., Any]]:
+        """Seed 004's name: tool name -> the registered function (a copy)."""
+        return {name: t.fn for name, t in self._tools.items()}
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """Seed 004's name for the schema list (`list_tools()`)."""
+        return self.list_tools()
+
+    is_initialized = True  # nothing to prepare: the tools are plain functions
+
+    async def ainitialize(self) -> None:
+        """Seed 004's setup hook; local tools need none."""
+
+    async def aexecute(self, tool_name: str, tool_args: dict[str, Any]) -> str:
+        """Seed 004's call: the text the model reads (errors included, never raised)."""
+        return await aexecute(self, tool_name, tool_args)
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         async def run() -> tuple[str, bool]:

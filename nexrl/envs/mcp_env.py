@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from nexrl.envs.base import CallLimits, ToolMetrics, ToolResult, guarded_call
+from nexrl.envs.base import (
+    CallLimits,
+    MCPToolingEnvConfig,
+    ToolList,
+    ToolMetrics,
+    ToolResult,
+    aexecute,
+    guarded_call,
+)
 
 
 def _import_mcp():
@@ -30,7 +38,8 @@ class MCPToolingEnv:
     """Tools served by an MCP server.
 
     server: a streamable-HTTP URL (`http://127.0.0.1:8000/mcp`), or a command to launch over
-        stdio as a list (`["python", "server.py"]`), or an `mcp.StdioServerParameters`.
+        stdio as a list (`["python", "server.py"]`), or an `mcp.StdioServerParameters`, or
+        seed 004's `MCPToolingEnvConfig` (its limits then replace the keyword ones).
     timeout_s / max_output_chars: per-call limits (see `nexrl.envs.base.CallLimits`).
     """
 
@@ -43,6 +52,9 @@ class MCPToolingEnv:
         max_output_chars: int = 8192,
     ) -> None:
         mcp = _import_mcp()
+        if isinstance(server, MCPToolingEnvConfig):
+            timeout_s, max_output_chars, env = server.timeout_s, server.max_output_chars, server.env
+            server = server.server()
         if isinstance(server, list | tuple):
             if not server:
                 raise ValueError("MCPToolingEnv: the stdio command is empty")
@@ -51,6 +63,33 @@ class MCPToolingEnv:
         self._open = False
         self.limits = CallLimits(timeout_s, max_output_chars)
         self.metrics = ToolMetrics()
+        self.tool_schemas: list[dict[str, Any]] | None = None  # set by `ainitialize`
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._open and self.tool_schemas is not None
+
+    async def ainitialize(self) -> None:
+        """Seed 004's setup: connect and read the tool list once (then `list_tools()` needs
+        no await and `tool_schemas` / `tool_registry` are filled)."""
+        self.tool_schemas = await self._fetch_tools()
+
+    @property
+    def tool_registry(self) -> dict[str, Any]:
+        """Seed 004's name: tool name -> an async callable running it on the server."""
+
+        def caller(name: str) -> Any:
+            async def call(**kwargs: Any) -> str:
+                return await self.aexecute(name, kwargs)
+
+            return call
+
+        names = [t["function"]["name"] for t in self.tool_schemas or []]
+        return {name: caller(name) for name in names}
+
+    async def aexecute(self, tool_name: str, tool_args: dict[str, Any]) -> str:
+        """Seed 004's call: the text the model reads (errors included, never raised)."""
+        return await aexecute(self, tool_name, tool_args)
 
     async def connect(self) -> MCPToolingEnv:
         if not self._open:
@@ -64,7 +103,14 @@ class MCPToolingEnv:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def list_tools(self) -> list[dict[str, Any]]:
+    def list_tools(self) -> Any:
+        """The tools' OpenAI schemas: after `ainitialize` a `ToolList` (a list, awaitable
+        too), before it a coroutine that asks the server."""
+        if self.tool_schemas is not None:
+            return ToolList(self.tool_schemas)
+        return self._fetch_tools()
+
+    async def _fetch_tools(self) -> list[dict[str, Any]]:
         await self.connect()
         listing = await self._client.list_tools()
         return [

@@ -224,6 +224,36 @@ class TrajectoryPoolInstance:
         with self._lock:
             self._store.clear()
 
+    # ---- seed 000 names (thin aliases; the pool's own path is above) ----------------
+    def set_module_references(
+        self,
+        dataloader: DataLoaderLike | None,
+        weight_sync_controller: WeightSyncLike | None,
+        activity_tracker: TrackerLike | None,
+    ) -> None:
+        """Seed 000's wiring of one instance. The references are the pool's (every instance
+        shares them): `TrajectoryPool.set_module_references` sets the same ones."""
+        self._refs.dataloader = dataloader
+        self._refs.wsc = weight_sync_controller
+        self._refs.tracker = activity_tracker
+
+    def put_trajectory(self, trajectory: Trajectory) -> str:
+        """Seed 000's single put: "success", "fail", or "re-rollout" while a weight sync
+        holds this instance (`notify_weight_sync_starting`)."""
+        if getattr(self, "_seed_sync_hold", False):
+            return "re-rollout"
+        return self.put_trajectory_group([trajectory])
+
+    def notify_weight_sync_starting(self) -> None:
+        """Seed 000: refuse `put_trajectory` ("re-rollout") until `unlock_for_weight_sync`.
+        nexrl's own workers are held earlier, before generating (the weight-sync
+        controller's admission), so their group puts are never refused here."""
+        self._seed_sync_hold = True
+
+    def unlock_for_weight_sync(self) -> None:
+        """Seed 000: accept `put_trajectory` again."""
+        self._seed_sync_hold = False
+
 
 class TrajectoryPool(NexRLModule):
     """Per-model-tag trajectory pools behind one module (config: `trajectory_pool.*`)."""

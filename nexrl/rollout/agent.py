@@ -33,6 +33,8 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from nexrl.aio import EventLoopThread
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
@@ -178,6 +180,8 @@ def build_workflow(
     except Exception as exc:
         raise ValueError(f"rollout_worker.workflow={spec!r}: {exc}") from exc
     kwargs = dict(config.workflow_kwargs or {})
+    if isinstance(kwargs.get("config"), dict):  # seed 004's `self.config.num_turns`
+        kwargs["config"] = OmegaConf.create(kwargs["config"])
     params = inspect.signature(cls).parameters
     if "config" in params:
         kwargs.setdefault("config", config)
