@@ -161,17 +161,29 @@ def config_for_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
             f"{path} does not load with this nexrl ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0]}); set resume.use_saved_config=false"
         ) from None
-    merged.resume = resume  # how to resume is this command's choice
+    for key, value in resume.items():  # how to resume is this command's choice
+        merged.resume[key] = value
     return merged
 
 
 SET_AT_START = ("resume.", "run_dir", "logger.run_dir")
 """Keys that describe a start, not a run: never a difference."""
+FILLED_AT_START = frozenset(
+    {
+        "model_path",
+        "train_worker.checkpoint_path",
+        "train_worker.sync_weight_path",
+        "data.path",
+        "validate.data.path",
+        "service.train_service.backend",
+    }
+)
+"""Keys `resolve_run_config` fills when left unset (null, or `auto`)."""
 
 
 def config_differences(cfg: DictConfig, saved: DictConfig) -> list[str]:
-    """Dotted keys whose value in `cfg` (the command's) is set and differs from `saved`'s;
-    values left to be worked out at start (None, `auto`) are not differences."""
+    """Dotted keys whose value in `cfg` (the command's) differs from `saved`'s; keys left
+    for the start to fill (`FILLED_AT_START`) are not differences."""
     try:
         mine = _flat(OmegaConf.to_container(cfg, resolve=True))
     except Exception:  # an interpolation that needs the resolved paths
@@ -180,8 +192,7 @@ def config_differences(cfg: DictConfig, saved: DictConfig) -> list[str]:
     return [
         key
         for key, value in mine.items()
-        if value is not None
-        and value != "auto"
+        if not (key in FILLED_AT_START and value in (None, "auto"))
         and not key.startswith(SET_AT_START)
         and theirs.get(key, value) != value
     ]
