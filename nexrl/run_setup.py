@@ -145,14 +145,20 @@ def config_for_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
                 _listed(differ),
             )
         return cfg
+    # a key this command sets away from the packaged default was asked for (a longer
+    # run: train_worker.total_train_steps=200); one left at the default was not
+    told = set(config_differences(cfg, _packaged_defaults())) & set(differ)
     if differ:
         logger.warning(
-            "resuming %s with the config it was started with (its config.yaml); this "
-            "command's config differs at %s (resume.use_saved_config=false uses this "
-            "command's)",
+            "resuming %s with the config it was started with (its config.yaml)%s%s "
+            "(resume.use_saved_config=false: this command's config only)",
             run_dir,
-            _listed(differ),
+            f"; this command's value kept for {_listed(sorted(told))}" if told else "",
+            f"; the run's value kept for {_listed([k for k in differ if k not in told])}"
+            if set(differ) - told
+            else "",
         )
+    mine = _flat(OmegaConf.to_container(cfg, resolve=False))
     resume = OmegaConf.to_container(cfg.resume)
     try:
         merged = OmegaConf.merge(cfg, saved)
@@ -161,9 +167,17 @@ def config_for_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
             f"{path} does not load with this nexrl ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0]}); set resume.use_saved_config=false"
         ) from None
+    for key in told:
+        OmegaConf.update(merged, key, mine[key], merge=False)
     for key, value in resume.items():  # how to resume is this command's choice
         merged.resume[key] = value
     return merged
+
+
+def _packaged_defaults() -> DictConfig:
+    from nexrl.config import load_config
+
+    return load_config([])
 
 
 SET_AT_START = ("resume.", "run_dir", "logger.run_dir")

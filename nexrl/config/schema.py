@@ -149,7 +149,8 @@ class TrainWorkerConfig:
     save_freq: int = 100
     """Save a `global_step_N` checkpoint every N steps (0: only at the end)."""
     remove_previous_ckpt: bool = True
-    """Keep only the newest checkpoint."""
+    """Keep only the newest checkpoint and the one before it (resume falls back to it when
+    the newest does not load)."""
     checkpoint_path: str | None = None
     """Checkpoint folder; null: `<run dir>/checkpoints`."""
     sync_weight_path: str | None = None

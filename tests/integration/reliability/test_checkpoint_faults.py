@@ -158,9 +158,21 @@ def test_resume_auto_keeps_the_runs_own_config(tmp_path, caplog):
     assert cfg.data.max_items == 12 and cfg.rollout_worker.max_tokens == 3
     warning = [r.getMessage() for r in caplog.records if "config.yaml" in r.getMessage()]
     assert len(warning) == 1
-    assert "differs at data.max_items, rollout_worker.max_tokens (" in warning[0]
+    assert "the run's value kept for data.max_items, rollout_worker.max_tokens (" in warning[0]
     assert (run / "config.yaml").read_text() == before
     assert not list(run.glob("config.resumed-*.yaml"))
+
+
+def test_resume_auto_takes_what_the_command_asks_for(tmp_path, caplog):
+    """A key set away from its default on the resume command (a longer run) is asked for;
+    the run's other keys stay."""
+    run = _started_run(tmp_path, "data.max_items=12")
+    with caplog.at_level(logging.WARNING):
+        cfg = resolve_run_config(_auto(tmp_path, "train_worker.total_train_steps=7"))
+    assert cfg.train_worker.total_train_steps == 7 and cfg.data.max_items == 12
+    assert Path(cfg.run_dir) == run
+    assert "this command's value kept for train_worker.total_train_steps;" in caplog.text
+    assert "the run's value kept for data.max_items (" in caplog.text
 
 
 def test_resume_with_this_commands_config_writes_beside(tmp_path):
