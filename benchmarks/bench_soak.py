@@ -154,7 +154,10 @@ class Soak:
     def stop_all(self) -> None:
         for proc in (self.proc, getattr(self, "server", None)):
             if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM if proc is self.server else signal.SIGKILL)
+                if proc is self.server:  # the server alone: it stops its engine itself
+                    os.kill(proc.pid, signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
                 try:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
@@ -294,8 +297,7 @@ def main() -> int:
     figures["wall_s"] = round(time.monotonic() - start)
     print("soak:", figures)
     if not args.smoke:
-        command = "python benchmarks/bench_soak.py " + " ".join(sys.argv[1:])
-        lines = [*section_head(), "", f"`{command}`", "", "```", json.dumps(figures), "```", ""]
+        lines = [*section_head(), "", "```", json.dumps(figures), "```", ""]
         prepend_section(Path(args.out) / "soak.md", TITLE, lines)
     print(f"soak_lost_duplicated: {figures['lost']} {figures['duplicated']}")
     ok = figures["lost"] == 0 and figures["duplicated"] == 0 and figures["final_rc"] == 0
