@@ -172,7 +172,7 @@ def run_training(cfg) -> int:  # cfg: DictConfig
     except ImportError as exc:  # an optional package, or a user module given by import path
         print(f"nexrl train: {import_hint(exc)}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, FileNotFoundError) as exc:  # bad data / paths / names
+    except (ValueError, KeyError, OSError) as exc:  # bad data / paths / names, unwritable
         logging.getLogger("nexrl").debug("set-up failed", exc_info=True)
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
 from nexrl.run_setup import (
     find_latest_checkpoint,
     find_resume_checkpoint,
+    older_checkpoint,
     resolve_run_config,
 )
 from nexrl.system import LocalSystem, ModuleSystem
@@ -222,10 +223,12 @@ class NexRLController:
         if not self._monitor.exception_handling.enabled:
             return True
         health = execute(self.activity_tracker.get_error_health_status)
-        if should_stop(health, self._monitor.exception_handling.policy):
+        handling = self._monitor.exception_handling
+        if should_stop(health, handling.policy, handling.max_consecutive_errors):
             raise TrainingAborted(
-                f"stopping on reported errors (policy "
-                f"{self._monitor.exception_handling.policy}): {health['message']}"
+                f"stopping on reported errors (policy {handling.policy}, "
+                f"{health.get('consecutive_error_count', 0)} since the last train step): "
+                f"{health['message']}"
             )
         return True
 
@@ -265,9 +268,15 @@ class NexRLController:
         """Weights, optimizer and step, the loader state and the pending tasks of `path`;
         the weights are pushed as version `step`. Returns the step."""
         s = self.system
-        state = execute(s.train_workers[0].load_checkpoint, path)
+        path, state = self._load_or_fall_back(path)
         if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
-            execute(s.dataloader.load_state_dict, state["dataloader"])
+            try:
+                execute(s.dataloader.load_state_dict, state["dataloader"])
+            except ValueError as exc:  # a config that does not match the run's data
+                raise TrainingAborted(
+                    f"cannot resume from {path}: {exc} (the run was started with another "
+                    "config; resume.use_saved_config=true continues with its own)"
+                ) from None
         # tasks handed out but not trained at the save go first (exactly once)
         pending = state.get("pending_tasks") or []
         if pending:
@@ -283,6 +292,26 @@ class NexRLController:
             len(pending),
         )
         return int(state["step"])
+
+    def _load_or_fall_back(self, path: str) -> tuple[str, dict[str, Any]]:
+        """Load `path`; one that does not load (corrupt content the manifest could not
+        catch) is skipped with a warning for the next older complete checkpoint."""
+        failed: set[str] = set()
+        while True:
+            try:
+                return path, execute(self.system.train_workers[0].load_checkpoint, path)
+            except (ValueError, KeyError, OSError, RuntimeError) as exc:
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                failed.add(path)
+                older = older_checkpoint(path, failed)
+                if older is None:
+                    raise TrainingAborted(
+                        f"checkpoint {path} does not load ({why}) and no older complete "
+                        "checkpoint of this run does; set resume.mode=disable to start a "
+                        "fresh run"
+                    ) from None
+                logger.warning("checkpoint %s does not load (%s); using %s", path, why, older)
+                path = older
 
     def _load_resume_checkpoint(self) -> str | None:
         resume = self._config.resume

@@ -61,6 +61,7 @@ SMOKE_LINES = {
     "bench_validation.py": "validation_concurrency_speedup:",
     "bench_startup.py": "process_vs_builtin_first_step:",
     "bench_host.py": "nexrl_host_vs_minimal:",
+    "bench_soak.py": "soak_lost_duplicated: 0 0",
 }
 
 
@@ -127,6 +128,17 @@ def test_ray_smoke_mode_runs() -> None:
     out = run_smoke("bench_ray.py", "--layouts", "one_actor", "rollout_train")
     assert SMOKE_LINES["bench_ray.py"] in out
     assert "ray_rollout_train_vs_local_wallclock:" in out
+
+
+@pytest.mark.slow
+def test_soak_smoke_mode_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    """One kill of each kind (the run, the trainer, the engine) and resumes: every item
+    trained exactly once (the full mode's 24 kills: docs/reliability.md)."""
+    out = run_smoke("bench_soak.py", "--out", str(tmp_path))
+    assert SMOKE_LINES["bench_soak.py"] in out
+    assert "'kills_run': 1, " in out and "'kills_engine': 1" in out, out[-2000:]
+    assert "'trainer_kill_stopped_run': 1" in out, out[-2000:]
+    assert not list(tmp_path.iterdir())  # smoke mode writes no results
 
 
 @pytest.mark.slow

@@ -149,7 +149,8 @@ class TrainWorkerConfig:
     save_freq: int = 100
     """Save a `global_step_N` checkpoint every N steps (0: only at the end)."""
     remove_previous_ckpt: bool = True
-    """Keep only the newest checkpoint."""
+    """Keep only the newest checkpoint and the one before it (resume falls back to it when
+    the newest does not load)."""
     checkpoint_path: str | None = None
     """Checkpoint folder; null: `<run dir>/checkpoints`."""
     sync_weight_path: str | None = None
@@ -302,6 +303,10 @@ class ResumeConfig:
     """`disable`, `auto` (newest `global_step_N` under the checkpoint folder) or `from_path`."""
     resume_path: str | None = None
     """Checkpoint folder for `from_path`."""
+    use_saved_config: bool = True
+    """`auto`: continue a run with the config.yaml it was started with (this command's
+    keys that differ are listed in one line); false: with this command's config (saved
+    beside it as config.resumed-<time>.yaml)."""
     resumed: bool = False
     """Set at start (not by you): true when `auto` continues an earlier run's folder."""
     resumed_from: str | None = None
@@ -332,7 +337,11 @@ class ExceptionHandlingConfig:
     check_interval: float = 1.0
     """Seconds between checks."""
     policy: str = "stop_on_error"
-    """`stop_on_error`, `stop_on_critical` or `continue`."""
+    """`stop_on_error` (a module's error; failed tasks only past `max_consecutive_errors`),
+    `stop_on_critical` or `continue` (docs/monitoring.md)."""
+    max_consecutive_errors: int = 16
+    """Errors with no train step between them that stop the run (a run that only fails),
+    under `stop_on_error` and `stop_on_critical`; 1: the first error."""
 
 
 @dataclass

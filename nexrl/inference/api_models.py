@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,20 +23,28 @@ MAX_LOGPROBS = 20
 """Default cap on `logprobs` / `top_logprobs` (vLLM's default `max_logprobs` too)."""
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+INT32_MAX, INT64_MAX = (1 << 31) - 1, (1 << 63) - 1
+"""Every integer field is bounded by the engine type it ends up in (counts and token ids
+int32, seeds int64): JSON integers are unbounded, and one past the engine's type once
+failed inside the engine instead of here."""
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan=False: `temperature: Infinity` (Python's json reads it) is a 400
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = 16  # checked by the server (its message names max_new_tokens)
+    # checked by the server too (its message names max_new_tokens)
+    max_tokens: int | None = Field(16, ge=-INT32_MAX, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    n: int = Field(1, ge=1)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     rid: str | None = None
@@ -61,15 +69,15 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="text, token ids, or a list of either (several prompts)"
     )
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: Count | None = None
     echo: bool = False
 
 
 class ChatRequest(_Sampling):
     messages: list[Any] = Field(..., min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    top_logprobs: Count | None = None
+    max_completion_tokens: Count | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted; every parsed call is returned
@@ -86,8 +94,9 @@ class UpdateWeightsRequest(_Control):
     our integer `version`."""
 
     model_path: str
-    version: int | None = None
-    weight_version: str | int | None = None
+    version: int | None = Field(None, ge=0, le=INT64_MAX)
+    weight_version: int | None = Field(None, ge=0, le=INT64_MAX)
+    """SGLang's label; here an integer (a numeric string such as "3" is read as 3)."""
     load_format: str | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True

@@ -283,11 +283,26 @@ class LLMServiceClient:
         turn) makes one."""
         try:
             return fn(*args)
-        except self._transient:
+        except self._transient as exc:
             if self.max_retries < 1:
-                raise
+                raise self._gone(exc) from exc
         time.sleep(FIRST_RETRY_WAIT_S)
-        return self._retryer(fn, *args)
+        try:
+            return self._retryer(fn, *args)
+        except self._transient as exc:
+            raise self._gone(exc) from exc
+
+    def _gone(self, exc: BaseException) -> BaseException:
+        """A transport error of a remote server as one line naming its URL and what to
+        check (a local engine's error is returned as it is)."""
+        if self._remote is None:
+            return exc
+        return ConnectionError(
+            f"inference server {self._remote.base} did not answer after "
+            f"{max(self.max_retries, 1)} tries ({type(exc).__name__}: {exc}); check that it "
+            "is still running (nexrl serve, its log), that the host and port are reachable "
+            "from here, and service.inference_service.url"
+        )
 
     # -- weight sync ------------------------------------------------------------------------
     def set_weight_sync_controller(self, controller: Any) -> None:
@@ -302,16 +317,22 @@ class LLMServiceClient:
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         target = self._engine if self._engine is not None else self._remote
-        target.update_weights(meta)
+        self._control(target.update_weights, meta)
 
     def pause(self) -> None:
-        (self._engine or self._remote).pause()
+        self._control((self._engine or self._remote).pause)
 
     def resume(self) -> None:
-        (self._engine or self._remote).resume()
+        self._control((self._engine or self._remote).resume)
 
     def abort(self, rid: str | None = None) -> None:
-        (self._engine or self._remote).abort(rid)
+        self._control((self._engine or self._remote).abort, rid)
+
+    def _control(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except self._transient as exc:  # no retry: a control call may not be idempotent
+            raise self._gone(exc) from exc
 
 
 def _remote_errors() -> tuple[type[BaseException], ...]:

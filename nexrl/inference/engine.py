@@ -359,8 +359,25 @@ class Engine:
             waves = self.prefix.split_waves([p.request.input_ids for p in chosen])
         for wave in waves:
             if wave:
-                self._prefill_wave([chosen[i] for i in wave])
+                self._prefill_alone_on_failure([chosen[i] for i in wave])
         self.stats["requests"] += len(chosen)
+
+    def _prefill_alone_on_failure(self, wave: list[Pending]) -> None:
+        """Prefill `wave`; if that fails, prefill its requests one by one, so a request
+        that cannot be prefilled fails alone (its own future) and the others run. The
+        rows a failed attempt added are dropped first (they are the batch's tail)."""
+        before = len(self.batch)
+        try:
+            self._prefill_wave(wave)
+        except Exception as exc:
+            if len(self.batch) > before:
+                self.batch.compact(list(range(before, len(self.batch))))
+            if len(wave) == 1:
+                logger.warning("request %s failed in prefill: %r", wave[0].request.rid, exc)
+                wave[0].fail(exc)
+                return
+            for pending in wave:
+                self._prefill_alone_on_failure([pending])
 
     def _prefill_wave(self, chosen: list[Pending]) -> None:
         prompts = [p.request.input_ids for p in chosen]

@@ -29,6 +29,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -52,6 +53,7 @@ from nexrl.inference.protocol import (
     TokenCallback,
     WeightUpdateMeta,
 )
+from nexrl.inference.sampler import validate_params
 from nexrl.spawn import spawn_context
 
 _ERRORS = {"ValueError": ValueError, "KeyError": KeyError, "FileNotFoundError": FileNotFoundError}
@@ -135,6 +137,8 @@ class ProcessEngine:
         self._stop = threading.Event()
         self._child = self._spawn()
         self._weights_root = Path(tempfile.mkdtemp(prefix="nexrl-engine-weights-"))
+        # removed by `shutdown`, else when this object is collected or the process exits
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._weights_root, True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._watchdog = threading.Thread(
             target=self._watch, name="nexrl-engine-watch", daemon=True
@@ -290,7 +294,12 @@ class ProcessEngine:
                 return
             msg_id, call = item
             try:
-                child.conn.send_bytes(orjson.dumps({"id": msg_id, "op": call.op, **call.body}))
+                data = orjson.dumps({"id": msg_id, "op": call.op, **call.body})
+            except (TypeError, ValueError) as exc:  # this call alone fails; the thread goes on
+                self._finish(msg_id, exc=ValueError(f"{call.op}: cannot encode the request: {exc}"))
+                continue
+            try:
+                child.conn.send_bytes(data)
             except (OSError, ValueError):  # a dead child: the restart replays this call
                 if call.child is not None:
                     self._finish(msg_id, exc=RuntimeError("engine process exited"))
@@ -347,7 +356,10 @@ class ProcessEngine:
         return self._call("stats")
 
     def submit(self, request: GenerationRequest, on_token: TokenCallback | None = None) -> Future:
-        """As `Engine.submit`; `on_token` runs on this process's pipe-reader thread."""
+        """As `Engine.submit`; `on_token` runs on this process's pipe-reader thread.
+        A request the engine would reject raises ValueError here, before it is sent (a
+        replayed bad request must not cost the engine restarts)."""
+        validate_params(request.sampling)
         return self._send(
             "generate",
             on_token,
@@ -370,14 +382,18 @@ class ProcessEngine:
         """
         snapshot = self._weights_root / f"v{meta.version}-{next(self._ids)}"
         snapshot.mkdir()
-        if meta.path is None and meta.state_dict is not None:
-            from safetensors.torch import save_file
+        try:
+            if meta.path is None and meta.state_dict is not None:
+                from safetensors.torch import save_file
 
-            tensors = {k: v.contiguous() for k, v in meta.state_dict.items()}
-            save_file(tensors, str(snapshot / "model.safetensors"))
-        else:
-            _link_tree(Path(meta.path), snapshot)
-        self._call("update_weights", version=meta.version, path=str(snapshot))
+                tensors = {k: v.contiguous() for k, v in meta.state_dict.items()}
+                save_file(tensors, str(snapshot / "model.safetensors"))
+            else:
+                _link_tree(Path(meta.path), snapshot)
+            self._call("update_weights", version=meta.version, path=str(snapshot))
+        except BaseException:  # a failed update leaves nothing behind
+            shutil.rmtree(snapshot, ignore_errors=True)
+            raise
         previous, self._weights = self._weights, (meta.version, str(snapshot))
         self._version = meta.version
         if previous is not None:
@@ -411,7 +427,7 @@ class ProcessEngine:
             child.proc.kill()
             child.proc.join(timeout=10)
         child.conn.close()
-        shutil.rmtree(self._weights_root, ignore_errors=True)
+        self._cleanup()
 
 
 def _link_tree(src: Path, dst: Path) -> None:

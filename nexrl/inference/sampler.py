@@ -27,6 +27,7 @@ which is what a trainer that also divides its logits by `T` computes. Greedy
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -159,7 +160,7 @@ def sample_generator(seed: int | None, sample_index: int) -> torch.Generator | N
     if seed is None:
         return None
     gen = torch.Generator()
-    gen.manual_seed(int(seed) * 1_000_003 + sample_index)
+    gen.manual_seed((int(seed) * 1_000_003 + sample_index) % (1 << 64))  # any int64 seed
     return gen
 
 
@@ -254,9 +255,15 @@ def validate_params(params: SamplingParams) -> None:
     """Raise ValueError naming the bad field of `params`."""
     if params.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not (params.temperature >= 0 and math.isfinite(params.temperature)):
+        raise ValueError(f"temperature must be finite and >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.n < 1:
         raise ValueError(f"n must be >= 1, got {params.n}")
+    if params.seed is not None and not -(1 << 63) <= params.seed < 1 << 63:
+        raise ValueError(f"seed must fit a signed 64-bit integer, got {params.seed}")
+    if not -(1 << 31) <= params.top_k < 1 << 31:
+        raise ValueError(f"top_k must fit a 32-bit integer, got {params.top_k}")
+    if any(not 0 <= t < 1 << 31 for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, 2^31), got {params.stop_token_ids}")

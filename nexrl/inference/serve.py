@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import sys
 
 SWITCH_INTERVAL_S = 2e-4
@@ -145,11 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         weights_dirs=args.weights_dir,
         max_logprobs=args.max_logprobs,
     )
+    # uvicorn shuts down on SIGTERM, then raises the signal again: with the default action
+    # the process would die there, before the engine's shutdown removes its temp folders
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except SystemExit as exc:
+        return int(exc.code or 0)
     finally:
         engine.shutdown()
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

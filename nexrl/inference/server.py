@@ -129,7 +129,16 @@ def create_app(
     max_logprobs: the largest `logprobs` / `top_logprobs` a request may ask for.
     """
     auth = Depends(_auth(api_key, admin_key))
-    app = FastAPI(title="nexrl inference", dependencies=[auth], **_NO_TELEMETRY)
+    # /docs and /openapi.json as routes of their own, behind the same key as the rest
+    app = FastAPI(
+        title="nexrl inference",
+        dependencies=[auth],
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        **_NO_TELEMETRY,
+    )
+    _docs_routes(app)
     metrics = ServerMetrics(engine)
     served = _Served(
         engine=engine,
@@ -145,6 +154,18 @@ def create_app(
     _info_routes(app, engine, metrics, model_name)
     _control_routes(app, engine, weights_dirs)
     return app
+
+
+def _docs_routes(app: FastAPI) -> None:
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="nexrl inference")
 
 
 @dataclass
@@ -205,7 +226,7 @@ def _completion_route(app: FastAPI, served: _Served) -> None:
         return 16 if max_len is None else min(16, max(max_len - len(ids), 0))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         served.check_model(body.model)
         _check_logprobs("logprobs", body.logprobs, served.max_logprobs)
         prompts = _prompt_batch(body.prompt, tokenizer, served.vocab)
@@ -217,10 +238,12 @@ def _completion_route(app: FastAPI, served: _Served) -> None:
             chunks = partial(completion_chunk_fn, tokenizer=tokenizer, logprobs=body.logprobs)
             ids = prompts[0]
             return await gen.stream(ids, body, default_max(ids), "completions", chunks)
-        runs = [gen.run(ids, body, default_max(ids), "completions") for ids in prompts]
+        rid = body.rid or uuid.uuid4().hex  # what a disconnect aborts
+        runs = [gen.run(ids, body, default_max(ids), "completions", rid) for ids in prompts]
+        results = await gen.unless_disconnected(request, asyncio.gather(*runs), rid)
         bodies = [
             completion_body(resp, served.model_name, version, tokenizer, body.logprobs)
-            for resp, version in await asyncio.gather(*runs)
+            for resp, version in results
         ]
         return _json(bodies[0] if len(bodies) == 1 else _merge_completions(bodies, body.n))
 
@@ -229,7 +252,7 @@ def _chat_route(app: FastAPI, served: _Served) -> None:
     tokenizer, metrics, gen = served.tokenizer, served.metrics, served.gen
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Response:
+    async def chat(body: ChatRequest, request: Request) -> Response:
         served.check_model(body.model)
         _check_logprobs("top_logprobs", body.top_logprobs, served.max_logprobs)
         try:
@@ -253,7 +276,10 @@ def _chat_route(app: FastAPI, served: _Served) -> None:
                     on_parsed=metrics.parsed,
                 )
             return await gen.stream(ids, body, default_max, "chat", chunks)
-        resp, version = await gen.run(ids, body, default_max, "chat")
+        rid = body.rid or uuid.uuid4().hex
+        resp, version = await gen.unless_disconnected(
+            request, gen.run(ids, body, default_max, "chat", rid), rid
+        )
         parsed = None
         if use_parser is not None:
             parsed = [use_parser.parse(o.text) for o in resp.outputs]
@@ -343,16 +369,27 @@ class _Generation:
     def _count(self, resp: GenerationResponse) -> None:
         self.metrics.generated(sum(len(o.output_ids) for o in resp.outputs))
 
-    async def run(self, ids: list[int], body, default_max: int, endpoint: str):
+    async def run(self, ids: list[int], body, default_max: int, endpoint: str, rid: str):
         params = body.sampling(default_max)
         version = self.engine.version
         try:
-            resp = await self.engine.agenerate(GenerationRequest(ids, params, rid=body.rid))
+            resp = await self.engine.agenerate(GenerationRequest(ids, params, rid=rid))
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         self.metrics.requests.labels(endpoint).inc()
         self._count(resp)
         return resp, version
+
+    async def unless_disconnected(self, request: Request, work: Any, rid: str) -> Any:
+        """Await `work`; if the client goes away first, abort request `rid` in the engine
+        (its rows stop generating) and let `work` end with what it has."""
+        work = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnect(request))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            await asyncio.to_thread(self.engine.abort, rid)
+        gone.cancel()
+        return await work
 
     async def stream(self, ids: list[int], body, default_max: int, endpoint: str, chunks):
         """`stream=true`: server-sent events (nexrl/inference/streaming.py)."""
@@ -375,13 +412,18 @@ class _Generation:
         return StreamingResponse(events, media_type="text/event-stream")
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the next ASGI message is
+    `http.disconnect`, sent when the connection closes or the response is complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _control_routes(app: FastAPI, engine: InferenceEngine, weights_dirs: list[str] | None) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
         _check_weights_path(body.model_path, weights_dirs)
-        version = body.version
-        if version is None and body.weight_version is not None:
-            version = int(body.weight_version)
+        version = body.version if body.version is not None else body.weight_version
         meta = WeightUpdateMeta(engine.version + 1 if version is None else version, body.model_path)
         try:
             await asyncio.to_thread(engine.update_weights, meta)

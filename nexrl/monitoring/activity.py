@@ -224,6 +224,7 @@ class ActivityTracker:
     def set_training_step(self, step: int) -> None:
         with self._cond:
             self._training_step = int(step)
+        self.error_reporter.note_progress()  # errors before a step are not consecutive
 
     def get_training_step(self) -> int:
         with self._cond:

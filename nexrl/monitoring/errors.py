@@ -9,6 +9,13 @@ function of the status dict makes it testable without a running controller.
 "Recent" means within `recent_window_s` seconds (default 300): the controller
 polls far more often than that, so no error escapes the policy, while a long
 run that recovered from one warning an hour ago reads as healthy again.
+
+A failed task (an exception in a rollout step, e.g. a reward that raised or timed
+out) is an ERROR too, but the task owner already re-queues or counts it, so one
+failing sample must not end a run (verl and AReaL carry on past a bad sample). The
+policies therefore count errors since the last train step (`note_progress`): a run
+that only fails reaches `max_consecutive_errors` within seconds and stops, whatever
+the policy but `continue`; a run that trains between its failures goes on.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class ErrorReporter:
         self._recent_window_s = recent_window_s
         self._lock = threading.Lock()
         self._total_by_severity = {s: 0 for s in ErrorSeverity}
+        self._since_progress = 0  # ERROR / CRITICAL reports since the last train step
 
     def report_exception(
         self,
@@ -112,7 +120,14 @@ class ErrorReporter:
         with self._lock:
             self._errors.append(info)
             self._total_by_severity[severity] += 1
+            if severity in (ErrorSeverity.ERROR, ErrorSeverity.CRITICAL):
+                self._since_progress += 1
         return info.error_id
+
+    def note_progress(self) -> None:
+        """A train step finished: the errors before it no longer count as consecutive."""
+        with self._lock:
+            self._since_progress = 0
 
     def get_errors(self, severity: ErrorSeverity | None = None) -> list[ErrorInfo]:
         """All retained errors (oldest first), optionally of one severity."""
@@ -122,18 +137,22 @@ class ErrorReporter:
     def clear(self) -> None:
         with self._lock:
             self._errors.clear()
+            self._since_progress = 0
 
     def get_health_status(self) -> dict[str, Any]:
         """Aggregate of the recent errors.
 
         Keys: `status` ("healthy" | "warning" | "error" | "critical"), `message`,
         `recent_error_count`, `critical_level_count`, `error_level_count`,
-        `warning_level_count`, `info_level_count`, `total_error_count`, `last_error`.
+        `warning_level_count`, `info_level_count`, `total_error_count`, `last_error`,
+        `task_error_count` (recent ERRORs that are failed tasks, see `TASK_CONTEXTS`),
+        `consecutive_error_count` (ERROR / CRITICAL reports since the last train step).
         """
         cutoff = time.time() - self._recent_window_s
         with self._lock:
             recent = [e for e in self._errors if e.timestamp >= cutoff]
             total = sum(self._total_by_severity.values())
+            consecutive = self._since_progress
         counts = {s: sum(e.severity == s for e in recent) for s in ErrorSeverity}
         if counts[ErrorSeverity.CRITICAL]:
             status = "critical"
@@ -160,17 +179,31 @@ class ErrorReporter:
             "info_level_count": counts[ErrorSeverity.INFO],
             "total_error_count": total,
             "last_error": None if last is None else last.message,
+            "task_error_count": sum(
+                e.severity == ErrorSeverity.ERROR and e.work_context in TASK_CONTEXTS
+                for e in recent
+            ),
+            "consecutive_error_count": consecutive,
         }
 
 
 STOP_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
+TASK_CONTEXTS = frozenset({"rollout step"})
+"""Work contexts whose errors are failed tasks (re-queued or counted by the task owner)."""
+MAX_CONSECUTIVE_ERRORS = 16
+"""Default of `runtime_monitor.exception_handling.max_consecutive_errors`."""
 
 
-def should_stop(health: dict[str, Any], policy: str) -> bool:
+def should_stop(
+    health: dict[str, Any], policy: str, max_consecutive_errors: int = MAX_CONSECUTIVE_ERRORS
+) -> bool:
     """Whether the run must stop given a `get_health_status()` dict and a policy.
 
-    - "stop_on_error": stop on any recent ERROR or CRITICAL.
-    - "stop_on_critical": stop only on a recent CRITICAL.
+    - "stop_on_error": stop on a recent CRITICAL, on a recent ERROR of a module (not a
+      failed task), or once `max_consecutive_errors` errors came with no train step
+      between them. A failed task alone is counted, not fatal.
+    - "stop_on_critical": stop on a recent CRITICAL, or once `max_consecutive_errors`
+      errors came with no train step between them (a run that only fails).
     - "continue": never stop because of reported errors.
     """
     if policy not in STOP_POLICIES:
@@ -181,6 +214,10 @@ def should_stop(health: dict[str, Any], policy: str) -> bool:
     if policy == "continue":
         return False
     critical = health.get("critical_level_count", 0) > 0 or health.get("status") == "critical"
+    failing = health.get("consecutive_error_count", 0) >= max(1, max_consecutive_errors)
+    if critical or failing:
+        return True
     if policy == "stop_on_critical":
-        return critical
-    return critical or health.get("error_level_count", 0) > 0 or health.get("status") == "error"
+        return False
+    module_errors = health.get("error_level_count", 0) - health.get("task_error_count", 0)
+    return module_errors > 0

@@ -128,11 +128,21 @@ def resumed_step(run_config: Mapping[str, Any]) -> int | None:
 
 
 def keep_steps_up_to(path: Path, step: int) -> None:
-    """Rewrite a jsonl file with only its lines whose `step` is <= `step` (atomically)."""
+    """Rewrite a jsonl file with only its lines whose `step` is <= `step` (atomically).
+    A line that does not parse (torn by a crash mid-write) is dropped with a warning
+    naming the file and line."""
     if not path.exists():
         return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+    kept = []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            logger.warning("%s:%d: dropping a torn line (a crash mid-write)", path, number)
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
     os.replace(tmp, path)

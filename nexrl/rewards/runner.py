@@ -18,8 +18,11 @@ failed (`timeout`, `crash`, `exception`) so the rollout worker can report and
 count it. A failure is never turned into a 0 reward here; `reward` is None.
 
 Without the process pool a timed-out synchronous reward keeps running in its
-thread (Python cannot kill a thread): the caller is unblocked and the timeout
-is counted, but use the pool for rewards that may hang.
+thread (Python cannot kill a thread): the caller is unblocked, the timeout is
+counted, and the thread is abandoned. Reward threads are daemon threads
+(`DaemonExecutor`), so an abandoned one never keeps the process from exiting;
+what is lost is that thread and whatever it holds until the reward returns (CPU,
+memory, an open connection). Use the pool for rewards that may hang for good.
 
 A reward marked `@inline_reward` (a string comparison: no I/O, time bounded by
 its input) runs in the caller's thread even with a timeout: it cannot outlive
@@ -38,6 +41,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -143,9 +147,7 @@ class RewardRunner:
         self._inline = (
             not use_process_pool and not self.is_async and (timeout_s is None or self._call.inline)
         )
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(64, max_workers), thread_name_prefix="reward"
-        )
+        self._threads = DaemonExecutor(max(64, max_workers), "reward")
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"calls": 0, **dict.fromkeys(FAILURE_KINDS, 0)}
 
@@ -374,6 +376,67 @@ class RewardRunner:
             if outcome.error is not None:
                 self.stats[outcome.error] += 1
         return outcome
+
+
+class DaemonExecutor:
+    """`submit` / `shutdown` of a `ThreadPoolExecutor` on daemon threads.
+
+    Why: `concurrent.futures` joins its worker threads at interpreter exit, so one hung
+    reward call kept a finished run's process alive until the call returned (5 min
+    where 30 s were expected). A daemon thread is abandoned at exit instead. Threads
+    start on demand, up to `max_workers`, and stay for the next job."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._max, self._name = max_workers, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._jobs.put((fut, fn, args))
+            if self._idle == 0 and self._threads < self._max:
+                self._threads += 1
+                name = f"{self._name}_{self._threads}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+            else:
+                self._idle -= 1 if self._idle else 0
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = False) -> None:
+        """Idle threads end; running calls are not waited for (`wait` is accepted for
+        `ThreadPoolExecutor` compatibility and ignored)."""
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        while cancel_futures:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(threads):
+            self._jobs.put(None)
 
 
 class _InOrderJob:

@@ -5,7 +5,7 @@ Layout of a checkpoint directory:
     config.json, model*.safetensors   `save_pretrained`: loadable by `from_pretrained`
     tokenizer files                   copied from the engine's model path, if it has them
     trainer_state.pt                  optimizer, scheduler, RNG states, step
-    COMPLETE                          manifest: every file with its size (written last)
+    COMPLETE                          manifest: every file with its size and sha256 (written last)
 
 Saves are atomic: everything is written into a hidden staging folder beside the
 target (`.global_step_N.staging-<pid>-<hex>`), each file is fsync'd, the
@@ -13,7 +13,10 @@ target (`.global_step_N.staging-<pid>-<hex>`), each file is fsync'd, the
 final name. A process killed at any point leaves either the previous state or a
 complete checkpoint, plus at most a staging folder that resume ignores and
 removes. `verify_checkpoint` says why a folder is not a complete checkpoint
-(no marker, a file missing or of the wrong size), so resume can skip it and say so.
+(no marker, a malformed manifest, a file missing, of the wrong size or whose
+content does not match its sha256), so resume can skip it and say so. A write that
+fails for want of space or permission raises `CheckpointWriteError`, one line naming
+the folder; the checkpoints already saved stay as they were.
 
 `trainer_state.pt` holds only tensors, numbers, strings and containers, and is
 read with `torch.load(weights_only=True)`, so a checkpoint cannot run code.
@@ -24,6 +27,7 @@ which works the same for a plain module, DDP and FSDP2; rank 0 writes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -139,7 +143,7 @@ def load(engine: TorchTrainEngine, path: str) -> None:
             raise ValueError(f"checkpoint {path} is incomplete: {problem}")
     else:
         logger.warning("checkpoint %s has no %s marker; loading it unverified", path, COMPLETE_FILE)
-    state = read_hf_weights(root)
+    state = _read(root, "*.safetensors", lambda: read_hf_weights(root))
     tied = set(getattr(engine.model, "_tied_weights_keys", None) or [])
     expected = set(get_model_state_dict(engine.model, options=_options(False)))
     missing = sorted(expected - set(state) - tied)
@@ -151,7 +155,9 @@ def load(engine: TorchTrainEngine, path: str) -> None:
     state_file = root / STATE_FILE
     if not state_file.exists():
         return
-    trainer_state: dict[str, Any] = torch.load(state_file, weights_only=True, map_location="cpu")
+    trainer_state: dict[str, Any] = _read(
+        root, STATE_FILE, lambda: torch.load(state_file, weights_only=True, map_location="cpu")
+    )
     set_optimizer_state_dict(
         engine.model,
         engine.optimizer,
@@ -163,28 +169,81 @@ def load(engine: TorchTrainEngine, path: str) -> None:
     _set_rng_state(trainer_state["rng"])
 
 
+def _read(root: Path, name: str, read: Any) -> Any:
+    """`read()`, with a file that does not parse reported as one line naming it."""
+    try:
+        return read()
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # safetensors, torch.load: many types for one cause
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ValueError(
+            f"checkpoint {root}: cannot read {name} ({type(exc).__name__}: {first})"
+        ) from exc
+
+
 # -- atomic folders ------------------------------------------------------------------
+class CheckpointWriteError(OSError):
+    """A folder could not be written (disk full, no permission): one line naming it."""
+
+
+DISK_FULL_SIGNS = ("no space left", "unexpected pos", "disk quota")
+"""How a full disk shows up in messages that carry no errno (torch.save's zip writer
+says `enforce fail at inline_container.cc ... unexpected pos`)."""
+
+
+def write_error(folder: Path, exc: BaseException) -> CheckpointWriteError | None:
+    """A `CheckpointWriteError` for an exception caused by a full disk or a folder that
+    cannot be written, else None (a bug: let it propagate as it is)."""
+    code = getattr(exc, "errno", None)
+    text = str(exc).lower()
+    if code in (errno.ENOSPC, errno.EDQUOT) or any(s in text for s in DISK_FULL_SIGNS):
+        try:
+            free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free:,}"
+        except OSError:
+            free = "unknown"
+        return CheckpointWriteError(
+            errno.ENOSPC,
+            f"cannot write {folder}: disk full ({free} bytes free); free space or point "
+            "output_dir elsewhere (the checkpoints saved before are intact)",
+        )
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = "read-only file system" if code == errno.EROFS else "permission denied"
+        return CheckpointWriteError(code, f"cannot write {folder}: {reason}")
+    return None
+
+
 @contextlib.contextmanager
 def atomic_directory(
-    final: str | Path, hash_files: bool = False, durable: bool = True
+    final: str | Path, hash_files: bool | None = None, durable: bool = True
 ) -> Iterator[Path]:
     """Yield an empty staging folder beside `final`; on a clean exit seal and publish it.
 
     Usage: write every file of the checkpoint into the yielded folder inside the
     `with`; nothing appears at `final` until the block ends without an error, and
-    then all of it appears at once. On an error the staging folder is removed.
+    then all of it appears at once. On an error the staging folder is removed; a full
+    disk or an unwritable folder raises `CheckpointWriteError`.
     `durable=False` skips the fsyncs (atomic against other readers, not power loss).
+    `hash_files` (default: `durable`) puts each file's sha256 in the manifest, so resume
+    checks the content, not only the sizes.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.parent / f".{final.name}{STAGING_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    hash_files = durable if hash_files is None else hash_files
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = final.parent / f".{final.name}{STAGING_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+    except OSError as exc:
+        raise (write_error(final.parent, exc) or exc) from exc
     try:
         yield staging
         seal(staging, hash_files=hash_files, durable=durable)
         publish(staging, final)
-    except BaseException:
+    except BaseException as exc:
+        problem = write_error(final, exc)
         shutil.rmtree(staging, ignore_errors=True)
+        if problem is not None:
+            raise problem from exc
         raise
 
 
@@ -228,10 +287,9 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> str | None
     if not marker.exists():
         return f"no {COMPLETE_FILE} marker: the save did not finish (or an older nexrl wrote it)"
     try:
-        manifest = json.loads(marker.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"unreadable {COMPLETE_FILE} manifest ({exc})"
+        files = manifest_files(marker)
+    except ValueError as exc:
+        return str(exc)
     for name, entry in files.items():
         f = root / name
         if not f.is_file():
@@ -240,8 +298,26 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> str | None
         if size != entry["size"]:
             return f"{name} has {size} bytes, the manifest says {entry['size']}"
         if check_hashes and "sha256" in entry and _sha256(f) != entry["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
+            return f"{name} does not match its sha256 in the manifest (its content changed)"
     return None
+
+
+def manifest_files(marker: Path) -> dict[str, dict[str, Any]]:
+    """The `files` map of a `COMPLETE` manifest; ValueError saying what is wrong with it."""
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"unreadable {COMPLETE_FILE} manifest ({exc})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        kind = type(files).__name__ if files is not None else "no 'files' key"
+        raise ValueError(f"malformed {COMPLETE_FILE} manifest: 'files' must map names ({kind})")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+            raise ValueError(f"malformed {COMPLETE_FILE} manifest: {name!r} has no integer 'size'")
+        if "sha256" in entry and not isinstance(entry["sha256"], str):
+            raise ValueError(f"malformed {COMPLETE_FILE} manifest: {name!r} has a bad 'sha256'")
+    return files
 
 
 def saved_at(path: str | Path) -> float:

@@ -22,6 +22,12 @@ tensors of a batch or of a result, plus JSON arguments.
 Ops: compute_logprobs, compute_ref_logprobs, train_batch, save, load, export
 (an HF folder at "path", or, without one, into the shared buffer: the answer
 then names the buffer file and its layout whenever they are new) and shutdown.
+
+Heartbeat: while the child serves a call it also sends `{"beat": true}` every
+`HEARTBEAT_S` from a thread of its own. The parent waits for the answer at most
+`heartbeat_timeout_s` between two messages: a child that is stopped (SIGSTOP) or
+whose interpreter is stuck sends nothing, and the call fails within that time with
+a message saying so (a killed child is seen at once, its pipe closes).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +53,12 @@ _ERRORS: dict[str, type[Exception]] = {
     e.__name__: e for e in (ValueError, KeyError, TypeError, FileNotFoundError, OSError)
 }
 _ALIGN = 64  # bytes: every tensor of the shared buffer starts on a cache line
+HEARTBEAT_S = 1.0
+"""Seconds between two heartbeats of a busy child."""
+HEARTBEAT_TIMEOUT_S = 60.0
+"""Default silence after which a busy child counts as stopped or hung."""
+START_TIMEOUT_S = 900.0
+"""The start answer may come after the child's imports (no heartbeat before them)."""
 Layout = list[tuple[str, str, list[int], int]]  # (name, dtype, shape, byte offset)
 
 
@@ -54,7 +68,14 @@ class ProcessTrainEngine:
     (and every later one) with its exit status: the trainer is not restarted, since
     its optimizer state would be lost; resume from a checkpoint instead."""
 
-    def __init__(self, config: EngineConfig, model_path: str, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        threads: int | None = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    ) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._proc, self._conn = _spawn()
         self._lock = threading.Lock()
         self._step = 0
@@ -138,8 +159,15 @@ class ProcessTrainEngine:
         return self._answer(op)
 
     def _answer(self, op: str) -> tuple[dict, Any]:
+        wait = START_TIMEOUT_S if op == "start" else self.heartbeat_timeout_s
         try:
-            tensors, reply = wire.unpack(self._conn.recv_bytes())
+            while True:
+                if not self._conn.poll(wait):
+                    raise self._silent(op, wait)
+                tensors, reply = wire.unpack(self._conn.recv_bytes())
+                if not reply.get("beat"):
+                    break
+                wait = self.heartbeat_timeout_s
         except (EOFError, OSError) as exc:
             raise self._died(op) from exc
         if "error" in reply:
@@ -155,11 +183,33 @@ class ProcessTrainEngine:
             f"{describe_exit(self._proc.exitcode)}"
         )
 
+    def _silent(self, op: str, wait: float) -> RuntimeError:
+        """A child that sent nothing for `wait` s: killed (it holds the run's only
+        optimizer state, but a stopped or stuck one never gives it back)."""
+        state = _process_state(self._proc.pid)
+        self._proc.kill()
+        self._proc.join(timeout=10)
+        return RuntimeError(
+            f"the train process (pid {self._proc.pid}) sent no heartbeat for {wait:g} s "
+            f"during {op!r} ({state}); it was killed: resume from the last checkpoint"
+        )
+
     def _map(self, file: str, layout: Layout, nbytes: int) -> None:
         """Map the child's buffer file, then unlink it: both mappings outlive the name, so
         nothing is left behind whichever process ends first."""
         self._views = _views(file, layout, nbytes)
         os.unlink(file)
+
+
+def _process_state(pid: int) -> str:
+    """What /proc says a silent process is doing (Linux), for the error message."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "state unknown"
+    if state in ("T", "t"):
+        return "stopped: SIGSTOP or a debugger; SIGCONT resumes it"
+    return f"hung: process state {state}"
 
 
 # -- the child -----------------------------------------------------------------------------
@@ -173,15 +223,41 @@ def _spawn() -> tuple[Any, Any]:
     return proc, conn
 
 
+class _Beat:
+    """The child's heartbeat: `{"beat": true}` every `HEARTBEAT_S` while `busy` is set.
+    Every send of the child goes through `send` (one lock: messages never interleave)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock, self.busy = conn, threading.Lock(), threading.Event()
+        threading.Thread(target=self._run, name="nexrl-trainer-beat", daemon=True).start()
+
+    def send(self, data: bytes) -> None:
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def _run(self) -> None:
+        beat = wire.pack({}, {"beat": True})
+        while True:
+            self.busy.wait()
+            time.sleep(HEARTBEAT_S)
+            if self.busy.is_set():
+                try:
+                    self.send(beat)
+                except OSError:
+                    return  # the parent is gone
+
+
 def child_main(conn: Any) -> None:
-    """Take the engine's config from the pipe, build it and say so; then answer calls
-    until told to stop or the pipe closes."""
-    engine = _build_engine(conn)
+    """Import the engine, take its config from the pipe, build it and say so; then answer
+    calls until told to stop or the pipe closes."""
+    beat = _Beat(conn)
+    engine = _build_engine(conn, beat)
     if engine is None:
         return
     start = {"fills_old_logprobs": bool(getattr(engine, "fills_old_logprobs", False))}
     start["has_ref"] = engine.ref_model is not None
-    conn.send_bytes(wire.pack({}, {"step": engine.step, "result": start}))
+    beat.busy.clear()
+    beat.send(wire.pack({}, {"step": engine.step, "result": start}))
     served = _Served(engine)
     while True:
         try:
@@ -190,15 +266,17 @@ def child_main(conn: Any) -> None:
             return  # the parent is gone
         if args.get("op") == "shutdown":
             return
+        beat.busy.set()
         try:
             out, result = served.handle(args, tensors)
             reply = wire.pack(out, {"step": engine.step, "result": result})
         except Exception as exc:
             reply = wire.pack({}, {"error": _described(exc)})
-        conn.send_bytes(reply)
+        beat.busy.clear()
+        beat.send(reply)
 
 
-def _build_engine(conn: Any) -> Any | None:
+def _build_engine(conn: Any, beat: _Beat) -> Any | None:
     """The engine, built from the config the parent sends; None when the parent sends none
     (a discarded spare) or the build fails (the parent is told why)."""
     from nexrl.training.torch_engine import TorchTrainEngine
@@ -207,11 +285,13 @@ def _build_engine(conn: Any) -> Any | None:
         config, model_path, threads = conn.recv()
     except (EOFError, OSError):
         return None  # never used (a discarded spare, or the parent is gone)
+    beat.busy.set()
     torch.set_num_threads(threads)
     try:
         return TorchTrainEngine(config, model_path)
     except Exception as exc:
-        conn.send_bytes(wire.pack({}, {"error": _described(exc)}))
+        beat.busy.clear()
+        beat.send(wire.pack({}, {"error": _described(exc)}))
         return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import statistics
 import time
@@ -316,10 +317,14 @@ class TrainWorker(LoopModule):
         with atomic_directory(path) as staging:
             self._client.save_checkpoint(str(staging))
             (staging / STATE_FILE).write_text(json.dumps(state))
-        if self._remove_previous:
-            for old in self._checkpoint_path.glob("global_step_*"):
-                if old != path and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
+        if self._remove_previous:  # but the one before: resume's fallback if this one fails
+            older = sorted(
+                (int(m.group(1)), p)
+                for p in self._checkpoint_path.iterdir()
+                if (m := re.match(r"global_step_(\d+)$", p.name)) and p != path and p.is_dir()
+            )
+            for _, old in older[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s", path)
         return str(path)
 

@@ -25,7 +25,7 @@ def test_run_writes_metrics_config_and_checkpoints(small_config):
     assert 0.0 <= final["val/reward"] <= 1.0
     assert (run / "config.yaml").exists()
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert ckpts == ["global_step_3"]  # remove_previous_ckpt keeps the newest only
+    assert ckpts == ["global_step_2", "global_step_3"]  # the newest and the fallback
     assert (run / "checkpoints" / "global_step_3" / "model.safetensors").exists()
     step_line = next(line for line in lines if line.get("step") == 2 and "train/loss" in line)
     assert step_line["staleness/max"] == 0  # sync mode trains on-policy only

@@ -65,3 +65,25 @@ def test_policies(severity, stop_on_error: bool, stop_on_critical: bool) -> None
 def test_unknown_policy_names_the_choices() -> None:
     with pytest.raises(ValueError, match="stop_on_error, stop_on_critical, continue"):
         should_stop({"status": "healthy"}, "stop_sometimes")
+
+
+def test_failed_tasks_stop_only_past_the_consecutive_limit() -> None:
+    """A failed task is counted, not fatal; a run that only fails stops under either
+    policy; a train step between failures resets the count."""
+    rep = ErrorReporter()
+    rep.report_error("rollout_worker_0", "rollout step", "reward timeout")
+    health = rep.get_health_status()
+    assert health["task_error_count"] == 1
+    assert should_stop(health, "stop_on_error", max_consecutive_errors=3) is False
+    for _ in range(2):
+        rep.report_error("rollout_worker_0", "rollout step", "reward timeout")
+    health = rep.get_health_status()
+    assert health["consecutive_error_count"] == 3
+    assert should_stop(health, "stop_on_error", max_consecutive_errors=3) is True
+    assert should_stop(health, "stop_on_critical", max_consecutive_errors=3) is True
+    assert should_stop(health, "continue", max_consecutive_errors=3) is False
+    rep.note_progress()  # a train step
+    assert should_stop(rep.get_health_status(), "stop_on_critical", 3) is False
+    rep.report_error("train_worker_0", "train step", "NaN loss")  # a module's error
+    assert should_stop(rep.get_health_status(), "stop_on_error", 3) is True
+    assert should_stop(rep.get_health_status(), "stop_on_critical", 3) is False
