@@ -27,11 +27,13 @@ folder-level rule still attributes those reads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ENV_NODE = "NEXRL_SIM_NODE"
@@ -63,6 +65,16 @@ def install(node: str | None = None) -> None:
 def uninstall() -> None:
     """Stop recording in this process."""
     _config.clear()
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """The test's own look at the files (this thread) is not part of the run."""
+    _state.busy = True
+    try:
+        yield
+    finally:
+        _state.busy = False
 
 
 def _classify(event: str, args: tuple) -> list[tuple[str, object]]:

@@ -15,6 +15,7 @@ to do instead (tests/integration/ray/test_multinode.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +53,12 @@ def node_table() -> dict[str, dict[str, Any]]:
     return {node["NodeID"]: node for node in ray.nodes()}
 
 
-def lost_nodes_message(placement: dict[str, str], checkpoint_path: str) -> str | None:
+def lost_nodes_message(
+    placement: dict[str, str], checkpoint_path: str, known: dict[str, dict] | None = None
+) -> str | None:
     """None while every node in `placement` (actor group -> node id) is alive; else a
-    message naming each lost node, the groups it ran, and what to do."""
+    message naming each lost node, the groups it ran, and what to do. `known`: the
+    `node_table()` of the run's start (Ray forgets a dead node's resources)."""
     table = node_table()
     lost: dict[str, list[str]] = {}
     for group, node in placement.items():
@@ -64,9 +68,11 @@ def lost_nodes_message(placement: dict[str, str], checkpoint_path: str) -> str |
         return None
     parts = []
     for node, groups in lost.items():
-        record = table.get(node, {})
+        record = {**table.get(node, {}), **(known or {}).get(node, {})}
         custom = sorted(
-            k for k in record.get("Resources", {}) if k not in ("CPU", "GPU", "memory")
+            k
+            for k in record.get("Resources", {})
+            if k not in ("CPU", "GPU", "memory")
             and not k.startswith(("node:", "object_store_memory", "accelerator_type"))
         )
         parts.append(
@@ -81,3 +87,35 @@ def lost_nodes_message(placement: dict[str, str], checkpoint_path: str) -> str |
         f"command with resume.mode=auto to continue from the last checkpoint under "
         f"{checkpoint_path} (on the train worker's node)"
     )
+
+
+def wait_for_lost_nodes(
+    actors: dict[str, Any],
+    placement: dict[str, str],
+    checkpoint_path: str,
+    known: dict[str, dict] | None = None,
+    wait_s: float = 60.0,
+) -> str | None:
+    """`lost_nodes_message`, after waiting while an actor is unreachable but its node is
+    not yet reported dead (Ray notices a crashed node after its health checks fail,
+    seconds after the first call to it fails). None when no node of the run was lost."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        message = lost_nodes_message(placement, checkpoint_path, known)
+        if message is not None:
+            return message
+        waiting = any(_unreachable(actor) for actor in actors.values())
+        if not waiting or time.monotonic() > deadline:
+            return lost_nodes_message(placement, checkpoint_path, known)
+        time.sleep(0.5)
+
+
+def _unreachable(actor: Any) -> bool:
+    """The actor does not answer and Ray cannot say it died (its node may be gone)."""
+    try:
+        ray.get(actor.ping.remote(), timeout=5.0)
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return True
+    except ray.exceptions.RayActorError:  # dead, and Ray knows why
+        return False
+    return False

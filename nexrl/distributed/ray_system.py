@@ -26,9 +26,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nexrl.builders import BUILDERS, inference_config
+from nexrl.distributed.nodes import node_table, pinned_here, run_on_node, wait_for_lost_nodes
 from nexrl.distributed.resource_manager import RayResourceManager, runtime_env_for
 from nexrl.distributed.settings import IN_PROCESS_BACKENDS, RaySettings, actor_env, init_ray
-from nexrl.distributed.nodes import lost_nodes_message, pinned_here, run_on_node
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
 from nexrl.execute import set_default_timeout
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
@@ -152,6 +152,7 @@ class RaySystem(ModuleSystem):
         self.checkpoint_path = str(cfg.train_worker.checkpoint_path)
         self.placement = self.resource_manager.placement()
         """Actor group -> the node it runs on (see `describe_failure`)."""
+        self._nodes = node_table()
         self._train_group = self.resource_manager.group_of(NexRLRole.TRAIN_WORKER)
         self._bind_wrappers()
         self.name_and_track(ActivityTrackerProxy(self.activity_tracker))
@@ -187,7 +188,8 @@ class RaySystem(ModuleSystem):
 
     def describe_failure(self) -> str | None:
         """Which node(s) of this run left the cluster, and what to do; None if none did."""
-        return lost_nodes_message(self.placement, self.checkpoint_path)
+        actors = self.resource_manager.actors
+        return wait_for_lost_nodes(actors, self.placement, self.checkpoint_path, self._nodes)
 
     def flush_tracker(self) -> None:
         from nexrl.monitoring.outbox import flush_all

@@ -110,8 +110,7 @@ class RayVirtualCluster:
         from ray.util.placement_group import placement_group_table
 
         return [
-            placement_group_table(pg)["bundles_to_node_id"][0]
-            for pg in self.get_placement_groups()
+            placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.get_placement_groups()
         ]
 
     def bundle_locations(self) -> list[tuple[PlacementGroup, int]]:
