@@ -55,7 +55,7 @@ from nexrl.distributed.recovery import (
     quiesce_and_reset,
     restart_loops,
 )
-from nexrl.execute import execute
+from nexrl.execute import ModuleDiedError, execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
 from nexrl.run_setup import (
@@ -106,6 +106,15 @@ class NexRLController:
 
     # -- the run -----------------------------------------------------------------
     def run(self) -> dict[str, float]:
+        try:
+            return self._run()
+        except (ModuleDiedError, TrainingAborted) as exc:
+            lost = self.system.describe_failure()  # Ray: a node left the cluster
+            if lost:
+                raise TrainingAborted(lost) from exc
+            raise
+
+    def _run(self) -> dict[str, float]:
         s = self.system
         logger.info("run dir: %s", self.run_dir)
         for worker in s.train_workers:
@@ -172,7 +181,7 @@ class NexRLController:
         if not restarted:
             return False
         folder = self._config.train_worker.checkpoint_path
-        path = find_latest_checkpoint(folder)
+        path = self.system.on_checkpoint_node(find_latest_checkpoint, folder)
         if path is None:
             raise TrainingAborted(
                 f"Ray actor(s) {describe(restarted)} restarted and lost their state (task "
@@ -321,7 +330,9 @@ class NexRLController:
             if not resume.resume_path:
                 raise ValueError("resume.mode=from_path needs resume.resume_path")
             return resume.resume_path
-        return find_resume_checkpoint(self._config, self._explicit_ckpt)
+        return self.system.on_checkpoint_node(
+            find_resume_checkpoint, self._config, self._explicit_ckpt
+        )
 
     def _find_latest_checkpoint(self, checkpoint_folder: str) -> str | None:
         return find_latest_checkpoint(checkpoint_folder)

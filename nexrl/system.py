@@ -92,6 +92,15 @@ class ModuleSystem:
         """Every tracker call queued in any process has arrived (Ray: the module actors'
         outboxes; local mode calls the tracker directly)."""
 
+    def on_checkpoint_node(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the machine whose disk holds the checkpoints (the train
+        worker's; Ray: a task on its node, as there may be no shared disk)."""
+        return fn(*args)
+
+    def describe_failure(self) -> str | None:
+        """Ray: which node(s) of the run left the cluster and what to do; None here."""
+        return None
+
     def loops(self) -> list[Any]:
         return [*self.train_workers, self.algorithm_processor, *self.rollout_workers]
 

@@ -40,6 +40,7 @@ class RayDataParallelTrainClient:
         num_cpus_per_bundle: float = 1.0,
         num_gpus_per_bundle: float = 0.0,
         env_vars: dict[str, str] | None = None,
+        node_resources: list[dict[str, float]] | None = None,
     ) -> None:
         self.config = dict(config or {})
         if self.config.get("backend", "builtin") != "builtin":
@@ -53,6 +54,7 @@ class RayDataParallelTrainClient:
             num_gpus_per_bundle=num_gpus_per_bundle or 1.0,
             num_cpus_per_bundle=num_cpus_per_bundle,
             name="nexrl-train",
+            node_resources=node_resources,
         )
         self._env_vars = env_vars
         self.cluster: RayVirtualCluster | None = None

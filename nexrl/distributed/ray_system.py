@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nexrl.builders import BUILDERS, inference_config
+from nexrl.distributed.nodes import node_table, pinned_here, run_on_node, wait_for_lost_nodes
 from nexrl.distributed.resource_manager import RayResourceManager, runtime_env_for
 from nexrl.distributed.settings import IN_PROCESS_BACKENDS, RaySettings, actor_env, init_ray
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
@@ -77,6 +78,7 @@ def start_inference_replicas(
         num_gpus_per_bundle=gpus or 1.0,
         num_cpus_per_bundle=cpus,
         name="nexrl-inference",
+        node_resources=layout.get("node_resources"),
     )
     engine_config = inference_config(cfg)
     prefix = f"nexrl-replica-{uuid.uuid4().hex[:8]}"
@@ -131,6 +133,7 @@ class RaySystem(ModuleSystem):
                 num_cpus=0,
                 max_concurrency=self.settings.max_concurrency,
                 runtime_env=runtime_env_for(env),
+                scheduling_strategy=pinned_here(),  # the run dir's logs: the driver's disk
             )
             .remote(cfg)
         )
@@ -146,6 +149,11 @@ class RaySystem(ModuleSystem):
             group = self.settings.colocation.get(role.value)
             self.resource_manager.register_role(role, builder, cfg, counts.get(role, 1), group)
         self.resource_manager.create_all_actors()
+        self.checkpoint_path = str(cfg.train_worker.checkpoint_path)
+        self.placement = self.resource_manager.placement()
+        """Actor group -> the node it runs on (see `describe_failure`)."""
+        self._nodes = node_table()
+        self._train_group = self.resource_manager.group_of(NexRLRole.TRAIN_WORKER)
         self._bind_wrappers()
         self.name_and_track(ActivityTrackerProxy(self.activity_tracker))
         self.wire()  # the same wiring calls as local mode, through execute
@@ -171,6 +179,17 @@ class RaySystem(ModuleSystem):
         `ActorRestartedError`) until `unfence` (nexrl/distributed/recovery.py). `settle`:
         first wait (up to `ray.execute_timeout_s`) for actors Ray is restarting."""
         return self.resource_manager.restarted(settle, self.settings.execute_timeout_s)
+
+    def on_checkpoint_node(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in a task on the train worker's node: its disk holds the checkpoints
+        (nexrl/distributed/nodes.py)."""
+        actor = self.resource_manager.actors[self._train_group]
+        return run_on_node(ray.get(actor.node_id.remote()), fn, *args)
+
+    def describe_failure(self) -> str | None:
+        """Which node(s) of this run left the cluster, and what to do; None if none did."""
+        actors = self.resource_manager.actors
+        return wait_for_lost_nodes(actors, self.placement, self.checkpoint_path, self._nodes)
 
     def flush_tracker(self) -> None:
         from nexrl.monitoring.outbox import flush_all

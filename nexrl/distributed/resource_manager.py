@@ -182,6 +182,10 @@ class ModuleActor:
         """The controller stopped every loop: calls reach the rebuilt modules again."""
         self._fence = None
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex)."""
+        return ray.get_runtime_context().get_node_id()
+
     def pid(self) -> int:
         """The actor's process id (fault-injection tests kill it)."""
         return os.getpid()
@@ -379,6 +383,11 @@ class RayResourceManager:
             if _role_name(reg.role) == _role_name(role):
                 return reg.group
         raise KeyError(f"role {_role_name(role)!r} is not registered")
+
+    def placement(self) -> dict[str, str]:
+        """Colocation group -> the Ray node (hex id) its actor runs on."""
+        ids = ray.get([actor.node_id.remote() for actor in self.actors.values()])
+        return dict(zip(self.actors, ids, strict=True))
 
     def restarted(self, settle: bool = False, timeout: float = 600.0) -> dict[str, list[str]]:
         """Colocation group -> its module keys, for each actor that restarted since the

@@ -6,6 +6,11 @@ CPU slot without GPUs) plus `num_cpus_per_bundle` CPUs. Worker groups place one 
 per bundle (`RayWorkerGroup`). A request that the cluster cannot satisfy fails after
 `placement_timeout_s` with the resources it asked for and what the cluster has, instead
 of waiting forever as a bare `pg.ready()` would.
+
+Ray places each node's group on any machine with room, so two virtual nodes may share
+one machine. `node_resources` pins virtual node k to the machines that offer the custom
+resources `node_resources[k]` (e.g. `{"node_a": 1}` from `ray start --resources`):
+every bundle of that node asks for them. `node_ids()` says where each node landed.
 """
 
 from __future__ import annotations
@@ -35,12 +40,21 @@ class RayVirtualCluster:
         num_cpus_per_bundle: float = 1.0,
         name: str = "nexrl",
         placement_timeout_s: float = 60.0,
+        node_resources: list[dict[str, float]] | None = None,
     ) -> None:
         if not bundle_ct_per_node_list or any(n < 0 for n in bundle_ct_per_node_list):
             raise ValueError(
                 f"bundle_ct_per_node_list: non-negative counts, got {bundle_ct_per_node_list}"
             )
+        if node_resources is not None and len(node_resources) != len(bundle_ct_per_node_list):
+            raise ValueError(
+                f"node_resources: one dict per node of {bundle_ct_per_node_list}, "
+                f"got {len(node_resources)}"
+            )
         self.bundle_ct_per_node_list = list(bundle_ct_per_node_list)
+        self.node_resources = [dict(r or {}) for r in node_resources or []] or [
+            {} for _ in bundle_ct_per_node_list
+        ]
         self.bundle = {"CPU": float(num_cpus_per_bundle)}
         if use_gpus:
             self.bundle["GPU"] = float(num_gpus_per_bundle)
@@ -55,9 +69,10 @@ class RayVirtualCluster:
             if count == 0:
                 self._groups.append(None)
                 continue
+            bundle = {**self.bundle, **self.node_resources[node]}
             self._groups.append(
                 placement_group(
-                    [dict(self.bundle)] * count, strategy="STRICT_PACK", name=f"{self.name}-{node}"
+                    [bundle] * count, strategy="STRICT_PACK", name=f"{self.name}-{node}"
                 )
             )
         pending = [pg for pg in self._groups if pg is not None]
@@ -72,8 +87,8 @@ class RayVirtualCluster:
     def _missing_message(self, timeout: float) -> str:
         total = ray.cluster_resources()
         wanted: dict[str, float] = {}
-        for count in self.bundle_ct_per_node_list:
-            for key, value in self.bundle.items():
+        for count, extra in zip(self.bundle_ct_per_node_list, self.node_resources, strict=True):
+            for key, value in {**self.bundle, **extra}.items():
                 wanted[key] = wanted.get(key, 0.0) + value * count
         missing = {k: v - total.get(k, 0.0) for k, v in wanted.items() if v > total.get(k, 0.0)}
         per_node = max(self.bundle_ct_per_node_list)
@@ -89,6 +104,14 @@ class RayVirtualCluster:
     def get_placement_groups(self) -> list[PlacementGroup]:
         """The placement groups of nodes with at least one bundle."""
         return [pg for pg in self._groups if pg is not None]
+
+    def node_ids(self) -> list[str]:
+        """The Ray node (hex id) each virtual node with bundles landed on, in order."""
+        from ray.util.placement_group import placement_group_table
+
+        return [
+            placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.get_placement_groups()
+        ]
 
     def bundle_locations(self) -> list[tuple[PlacementGroup, int]]:
         """(placement group, bundle index) of every bundle, in rank order."""

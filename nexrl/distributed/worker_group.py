@@ -1,7 +1,10 @@
 """`RayWorkerGroup`: one worker actor per bundle of a `RayVirtualCluster` (seed 002).
 
 Each worker gets the torch.distributed environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-`MASTER_ADDR`, `MASTER_PORT`) before it builds its object, so SPMD code such as
+`LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`) before it builds its
+object: ranks count the bundles node by node, `LOCAL_RANK` restarts at 0 on each
+(virtual) node, `NODE_RANK` is the node's index among the nodes with bundles, and the
+rendezvous is rank 0's node IP, so SPMD code such as
 `nexrl.training.parallel` joins the process group exactly as under `torchrun`.
 Usage order: create the group (workers start, rank 0 picks the rendezvous address,
 every worker then builds `factory(*args)`), then call methods on all workers:
@@ -80,12 +83,14 @@ class RayWorkerGroup:
             cluster.bundle.get("GPU", 0.0) if num_gpus_per_worker is None else num_gpus_per_worker
         )
         self.workers = []
+        groups = cluster.get_placement_groups()
         for rank, (pg, index) in enumerate(cluster.bundle_locations()):
             env = {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(index),
                 "LOCAL_WORLD_SIZE": str(pg.bundle_count),
+                "NODE_RANK": str(groups.index(pg)),
             }
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
             actor = ray.remote(RayWorker).options(
