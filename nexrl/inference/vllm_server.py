@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -66,10 +68,35 @@ def check_vllm_options(options: Mapping[str, Any]) -> None:
         raise ValueError(f"{keys}: not an option of backend vllm; valid: {valid}")
 
 
+def serving_dir(model: str) -> str:
+    """The directory vLLM serves for `model`: the model itself, or for tied embeddings a
+    folder of links to its files plus `lm_head.safetensors` (`vllm_control`: reloads
+    on a CPU do not refresh a tied output layer, so the server runs it untied)."""
+    from nexrl.inference.vllm_control import LM_HEAD_FILE, add_lm_head, tied
+    from nexrl.models.tiny import cache_dir
+
+    source = Path(model).resolve()
+    if not tied(source):
+        return str(source)
+    digest = hashlib.sha256(str(source).encode()).hexdigest()[:12]
+    out = cache_dir() / "vllm" / f"{source.name}-{digest}"
+    out.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        link = out / file.name
+        if file.is_file() and file.name != LM_HEAD_FILE and not link.exists():
+            link.symlink_to(file)
+    add_lm_head(out)
+    return str(out)
+
+
 def server_command(model: str, port: int, options: Mapping[str, Any]) -> list[str]:
     """The command line of a managed server for `model` with engine `options`."""
+    from nexrl.inference.vllm_control import tied
+
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", model]
+    if tied(Path(model)):
+        cmd += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
     for key, flag in FLAGS.items():
         if options.get(key) is not None:
             cmd += [flag, str(options[key])]
@@ -104,7 +131,7 @@ class VLLMServer:
 
     def __init__(self, model: str, options: Mapping[str, Any], log_path: Path) -> None:
         check_vllm_options(options)
-        self.model = model
+        self.model = serving_dir(model)
         self.options = dict(options)
         self.log_path = log_path
         timeout = options.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S

@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 
 VLLM_OPTIONS = {
     "dtype": "float32",
-    "max_model_len": 512,
+    "max_model_len": 256,
     "max_batch_size": 32,
     "kv_cache_gib": 1,
     "startup_timeout_s": 900,
@@ -40,17 +40,17 @@ def vllm_server(tiny_model_path, tmp_path_factory):
 
 
 @pytest.fixture
-def vllm_config(vllm_server, tiny_model_path):
+def vllm_config(vllm_server):
     """A client config attached to the session server, reset to the base weights."""
     import httpx
 
     from nexrl.inference.vllm_control import VLLMControl
 
     with httpx.Client(base_url=vllm_server.url, timeout=300) as http:
-        VLLMControl(http).load(tiny_model_path, 0)
+        VLLMControl(http).load(vllm_server.model, 0)
     return {
         "backend": "vllm",
         "url": vllm_server.url,
-        "model": tiny_model_path,
-        "served_model_name": tiny_model_path,
+        "model": vllm_server.model,
+        "served_model_name": vllm_server.model,
     }
