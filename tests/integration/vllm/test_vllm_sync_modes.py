@@ -3,11 +3,15 @@ the staleness bound, the task ledger and the pushed versions, as on the built-in
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from nexrl.config import load_config
 from nexrl.controller import NexRLController
-from tests.integration.async.test_async_modes import MODES, check_run, train_lines
+
+_modes = importlib.import_module("tests.integration.async.test_async_modes")  # `async`: a keyword
+MODES, check_run, train_lines = _modes.MODES, _modes.check_run, _modes.train_lines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
