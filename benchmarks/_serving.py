@@ -94,3 +94,33 @@ def compare_servers(
     finally:
         server.stop()
     return rows
+
+
+def vllm_run(model: Path, dtype: str, threads: int, smoke: bool) -> int:
+    """bench_generation.py --vllm: nexrl serve vs vLLM over HTTP (tokens/s, TTFT) and HF
+    generate (tokens/s), SmolLM2 chats at 1/16/64 concurrent requests."""
+    import tempfile
+
+    from _machine import describe
+    from bench_generation import _wait_for, hf_tokens_per_s, prompts
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nexrl.inference.weights import resolve_dtype
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    levels, max_tokens = ((1, 4), 8) if smoke else ((1, 16, 64), 64)
+    batches = {c: prompts(tok, c, seed=c, chat=True) for c in levels}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = compare_servers(model, batches, max_tokens, dtype, threads, _wait_for, Path(tmp))
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=resolve_dtype(dtype)).eval()
+    for c, batch in batches.items():
+        speed = hf_tokens_per_s(hf, tok, batch, max_tokens, 1)
+        rows.append({"server": "hf", "c": c, "tokens_per_s": speed, "ttft_s": float("nan")})
+    print(describe().splitlines()[0])
+    for r in rows:
+        speed, ttft = r["tokens_per_s"], r["ttft_s"]
+        print(f"{r['server']:6} c={r['c']:3} {speed:8.1f} tok/s  TTFT {ttft:.3f} s")
+    at = {(r["server"], r["c"]): r["tokens_per_s"] for r in rows}
+    top = levels[-1]
+    print(f"smoke: vllm_vs_nexrl_at_{top}: {at['vllm', top] / at['nexrl', top]:.2f}")
+    return 0

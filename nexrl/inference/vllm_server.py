@@ -138,6 +138,7 @@ class VLLMServer:
         self.startup_timeout_s = float(timeout)
         self.max_restarts = int(options.get("max_restarts", DEFAULT_MAX_RESTARTS))
         self.restarts = 0
+        self.port = 0
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self.ready = threading.Event()
@@ -148,7 +149,7 @@ class VLLMServer:
     def start(self) -> str:
         """Start the server and wait until it answers; its base URL."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port = self.port = self.port or free_port()  # a restart keeps the URL clients hold
         self.url = f"http://127.0.0.1:{port}"
         with open(self.log_path, "ab") as log:
             log.write(f"\n== nexrl: starting vLLM on {self.url}\n".encode())
