@@ -170,24 +170,28 @@ class VLLMServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"vLLM server for {self.model} exited with code {code} while starting; "
-                    f"its log {self.log_path} ends:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self._kill()
-                raise TimeoutError(
-                    f"vLLM server for {self.model} did not answer /health within "
-                    f"{self.startup_timeout_s:.0f} s (service.inference_service.engine."
-                    f"startup_timeout_s); log: {self.log_path}\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
+        with httpx.Client(timeout=2) as http:  # one client: each new one loads the CA file
+            while not self._healthy(http, deadline):
+                time.sleep(0.5)
+
+    def _healthy(self, http: httpx.Client, deadline: float) -> bool:
+        code = self.proc.poll()
+        if code is not None:
+            raise RuntimeError(
+                f"vLLM server for {self.model} exited with code {code} while starting; "
+                f"its log {self.log_path} ends:\n{self.log_tail()}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if http.get(self.url + "/health").status_code == 200:
+                return True
+        if time.monotonic() > deadline:
+            self._kill()
+            raise TimeoutError(
+                f"vLLM server for {self.model} did not answer /health within "
+                f"{self.startup_timeout_s:.0f} s (service.inference_service.engine."
+                f"startup_timeout_s); log: {self.log_path}\n{self.log_tail()}"
+            )
+        return False
 
     def log_tail(self, lines: int = 20) -> str:
         try:

@@ -13,7 +13,7 @@ from nexrl.inference.client import LLMServiceClient
 from nexrl.inference.protocol import GenerationRequest, SamplingParams, WeightUpdateMeta
 from nexrl.inference.remote import RemoteBackend
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # a start: 30 s-10 min
 
 PROMPT = [1, 5, 9, 12, 7, 3]
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.test_benchmarks_smoke import run_smoke
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # a start: 30 s-10 min
 
 
 def test_generation_benchmark_compares_vllm(smollm2_dir):

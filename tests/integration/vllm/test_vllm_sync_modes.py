@@ -13,7 +13,7 @@ from nexrl.controller import NexRLController
 _modes = importlib.import_module("tests.integration.async.test_async_modes")  # `async`: a keyword
 MODES, check_run, train_lines = _modes.MODES, _modes.check_run, _modes.train_lines
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # a start: 30 s-10 min
 
 VLLM_MODES = {
     "sync": MODES["sync"],

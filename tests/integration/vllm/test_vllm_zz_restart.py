@@ -12,7 +12,7 @@ from nexrl.inference.protocol import WeightUpdateMeta
 from nexrl.inference.vllm_control import VLLMControl
 from tests.integration.vllm.test_vllm_backend import PROMPT, forward_logprobs, perturbed_weights
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # a start: 30 s-10 min
 
 
 def test_a_dead_server_comes_back_with_the_last_push(vllm_server, tiny_model_path, tmp_path):
