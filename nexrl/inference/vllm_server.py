@@ -232,6 +232,8 @@ class VLLMServer:
 
     def wait_ready(self, timeout: float) -> None:
         """Block while a restart is under way (requests would fail meanwhile)."""
+        if not self.alive() and not self._stopping.is_set():
+            self.ready.clear()  # died: the watcher restarts it within `_WATCH_S`
         if not self.ready.wait(timeout):
             raise RuntimeError(f"vLLM server not ready within {timeout:.0f} s: {self.log_path}")
 
