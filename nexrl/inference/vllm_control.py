@@ -173,8 +173,11 @@ class NCCLWeightPush:
         )
 
     def push(self, version: int) -> None:
+        """Broadcast every parameter (start, update, finish inside `send_weights`), then set
+        the served version."""
         self.engine.send_weights()
-        self.client.finish_weight_update(str(version))
+        with httpx.Client(base_url=self.client.base_url, timeout=self.client.timeout) as http:
+            VLLMControl(http)._post("/update_weight_version", {"new_version": str(version)})
 
     def close(self) -> None:
         self.engine.shutdown()
