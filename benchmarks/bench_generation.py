@@ -20,6 +20,7 @@ vs the same 64 requests in-process. Ratios compare numbers measured in the same 
     python benchmarks/bench_generation.py --smollm2 --threads 2   # the real 135M chat model
     python benchmarks/bench_generation.py --smollm2 --threads 2 --dtype bfloat16   # both in bf16
     python benchmarks/bench_generation.py --smollm2 --dtype bfloat16 --chat --device cuda  # GPU
+    python benchmarks/bench_generation.py --vllm [--smoke]   # + vLLM: tokens/s, TTFT (_serving.py)
 
 With `--dtype bfloat16` both sides run in bf16 (fast only where the CPU multiplies bf16
 natively: avx512_bf16 / AMX, named on the results' machine line), and HF generate in
@@ -61,7 +62,7 @@ def prompts(tokenizer, count: int, seed: int = 0, chat: bool = False) -> list[li
     if chat:
         return [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": t}], add_generation_prompt=True
+                [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
             )
             for t in texts
         ]
@@ -344,6 +345,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--device", default="cpu", help="with --smollm2: where both sides run (cpu, cuda)"
     )
+    ap.add_argument("--vllm", action="store_true", help="SmolLM2 chats: nexrl, vLLM, HF")
     return ap
 
 
@@ -352,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device != "cpu" and not args.smollm2:
         ap.error("--device is for --smollm2 (the default runs compare CPU paths and HTTP)")
+    if args.vllm:
+        from _serving import vllm_run
+
+        return vllm_run(resolve_model(args.model_path), args.dtype, args.threads, args.smoke)
     if args.smollm2:
         model = resolve_model(args.model_path)
         repeats = args.repeats or 1
@@ -489,3 +495,4 @@ def smoke(threads: int) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

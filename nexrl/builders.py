@@ -40,6 +40,8 @@ def inference_config(cfg: DictConfig) -> dict[str, Any]:
     section = OmegaConf.to_container(cfg.service.inference_service, resolve=True)
     plain = cast(dict[str, Any], section)
     plain["model"] = plain.get("model") or cfg.model_path
+    if plain.get("backend") == "vllm" and cfg.get("run_dir"):
+        plain["run_dir"] = cfg.run_dir  # the managed server's log goes there
     return {**plain, **plain.pop("engine", {})}
 
 
@@ -140,8 +142,8 @@ def build_train_worker(cfg: DictConfig, client: Any = None) -> Any:
 
 def inflight_capable(cfg: DictConfig) -> bool:
     """The inference backend can swap weights under running requests (the built-in
-    engine, in-process or behind `nexrl serve`)."""
-    return cfg.service.inference_service.backend in ("builtin", "remote")
+    engine, in-process or behind `nexrl serve`; vLLM: pause with mode keep, load, resume)."""
+    return cfg.service.inference_service.backend in ("builtin", "remote", "vllm")
 
 
 def build_weight_sync_controller(cfg: DictConfig) -> Any:
@@ -152,7 +154,8 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
     if cfg.weight.inflight_weight_update and not capable:
         raise ValueError(
             f"weight.inflight_weight_update=true needs the built-in engine (backend builtin, "
-            f"or remote to a `nexrl serve`); service.inference_service.backend is {backend!r}"
+            f"or remote to a `nexrl serve`) or vllm; service.inference_service.backend is "
+            f"{backend!r}"
         )
     return WeightSyncController(
         section(cfg.weight),

@@ -29,7 +29,7 @@ async def chat_with_tools(
     parser = get_parser(parser) if isinstance(parser, str) else parser
     checked = chat_messages(messages)
     prompt = tokenizer.apply_chat_template(
-        checked, tools=tools or None, add_generation_prompt=True, tokenize=True
+        checked, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     resp = await engine.agenerate(GenerationRequest(list(prompt), sampling))
     out = resp.outputs[0]

@@ -241,6 +241,7 @@ class MultiTurnTokens:
             add_generation_prompt=True,
             tokenize=True,
             **self.template_kwargs,
+            return_dict=False,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
             ids = ids["input_ids"]

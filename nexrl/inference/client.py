@@ -16,6 +16,7 @@ it holds no algorithm logic. Results are token-in/token-out: `prompt_ids`,
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -77,6 +78,8 @@ def shutdown_local_engines() -> None:
         for engine in _local_engines.values():
             engine.shutdown()
         _local_engines.clear()
+    if "nexrl.inference.vllm_server" in sys.modules:  # managed vLLM servers of the run
+        sys.modules["nexrl.inference.vllm_server"].shutdown_servers()
 
 
 def sampling_from_kwargs(kwargs: Mapping[str, Any]) -> SamplingParams:
@@ -171,6 +174,10 @@ class LLMServiceClient:
         else:
             from nexrl.inference.remote import RemoteBackend
 
+            if self.backend == "vllm":
+                from nexrl.inference.vllm_server import check_vllm_options
+
+                check_vllm_options(section.engine)
             self._remote = RemoteBackend(self.config)
 
     # -- properties -------------------------------------------------------------------------
@@ -229,7 +236,8 @@ class LLMServiceClient:
             result = self._retrying(self._remote.chat, messages, kwargs, tools)
         else:
             ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                return_dict=False,
             )
             prompt = self.tokenizer.decode(ids)
             result = self._retrying(self._local_generate, prompt, list(ids), kwargs)

@@ -30,7 +30,8 @@ ENGINE_OPTIONS = (
     "cuda_graphs",
 )
 
-ROUTING_OPTIONS = ("replica_actors",)  # Ray mode: the engine lives in named replica actors
+# Ray mode: the engine lives in named replica actors; run_dir: where a managed server logs
+ROUTING_OPTIONS = ("replica_actors", "run_dir")
 
 
 def check_engine_options(options: Mapping[str, Any]) -> None:

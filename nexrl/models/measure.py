@@ -56,6 +56,7 @@ def serve(model: str, chats: int, tokens: int, max_model_len: int | None) -> dic
         tok.apply_chat_template(
             [{"role": "user", "content": f"What is {i} + {2 * i + 3}?"}],
             add_generation_prompt=True,
+            return_dict=False,
         )
         for i in range(chats)
     ]

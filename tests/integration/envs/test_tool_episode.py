@@ -54,7 +54,9 @@ def test_tool_turns_are_token_exact(tmp_path):
     assert episode.finish == "max_turns"
     (sample,) = episode.samples
     tools = asyncio.run(env.list_tools())
-    rendered = tok.apply_chat_template(episode.messages, tools=tools, tokenize=True)
+    rendered = tok.apply_chat_template(
+        episode.messages, tools=tools, tokenize=True, return_dict=False
+    )
     assert sample.input_ids == rendered[: len(sample.input_ids)]  # ChatML renders the EOS
     tool_msgs = [m for m in episode.messages if m["role"] == "tool"]
     assert [m["content"] for m in tool_msgs] == ["5", "5"]

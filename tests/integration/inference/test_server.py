@@ -62,7 +62,9 @@ def test_chat_uses_template(sdk, engine):
     resp = sdk.chat.completions.create(
         model="default", messages=msgs, max_tokens=6, logprobs=True, temperature=0
     ).model_dump()
-    ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = engine.tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert resp["prompt_token_ids"] == list(ids)
     choice = resp["choices"][0]
     assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])

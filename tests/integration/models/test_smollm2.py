@@ -31,7 +31,9 @@ def tokenizer(smollm2_dir):
 def prompts(tokenizer) -> list[list[int]]:
     """Chat prompts rendered with the model's own template, as token ids."""
     return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+        )
         for q in QUESTIONS
     ]
 

@@ -93,7 +93,7 @@ def build_scripted_model(path: str | Path, script: list[str], seed: int = 0) -> 
     path = Path(path)
     tok = build_chatml_tokenizer(TOOLS_TEMPLATE, extra_tokens=script)
     hello = [{"role": "user", "content": "hi"}]
-    prompt = tok.apply_chat_template(hello, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(hello, add_generation_prompt=True, return_dict=False)
     chain = [prompt[-1], *(tok.convert_tokens_to_ids(s) for s in script), tok.eos_token_id]
     vocab = len(tok)
     hidden = -(-vocab // 64) * 64

@@ -54,7 +54,7 @@ def test_whole_equals_template_rendering(tok_name, request):
         *TOOL_MSG,
         {"role": "assistant", "content": replies[1]},
     ]
-    rendered = tok.apply_chat_template(msgs, tokenize=True)
+    rendered = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
     # Equal to the template's rendering, up to an EOS the template does not write.
     kept = [t for i, t in enumerate(sample.input_ids) if i not in sample.ghosts or t in rendered]
     assert kept == list(rendered)[: len(kept)]

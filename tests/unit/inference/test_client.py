@@ -47,7 +47,9 @@ def test_chat_applies_template(engine):
     client = LLMServiceClient({"backend": "builtin"}, engine=engine)
     msgs = [{"role": "user", "content": "2+2?"}]
     out = client.generate(msgs, max_tokens=4, temperature=0)
-    ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = engine.tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert out["prompt_ids"] == list(ids) and out["messages"] == msgs
 
 

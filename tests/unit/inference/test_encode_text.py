@@ -44,11 +44,17 @@ def test_truncation_set_on_the_backend_is_not_applied(tok) -> None:
 
 
 def test_a_subclass_with_its_own_encode_is_called(tok) -> None:
-    class Marked(type(tok)):
-        def _batch_encode_plus(self, *args, **kwargs):
-            out = super()._batch_encode_plus(*args, **kwargs)
-            out["input_ids"] = [ids + [0] for ids in out["input_ids"]]
-            return out
+    # the encode method a subclass overrides: `_batch_encode_plus` (transformers 4),
+    # `_encode_plus` (5)
+    name = "_batch_encode_plus" if hasattr(type(tok), "_batch_encode_plus") else "_encode_plus"
+
+    def own(self, *args, **kwargs):
+        out = getattr(super(Marked, self), name)(*args, **kwargs)
+        ids = out["input_ids"]
+        out["input_ids"] = [x + [0] for x in ids] if isinstance(ids[0], list) else ids + [0]
+        return out
+
+    Marked = type("Marked", (type(tok),), {name: own})
 
     marked = Marked.from_pretrained(tok.name_or_path)
     assert encode_text(marked, "abc") == encode_text(tok, "abc") + [0]

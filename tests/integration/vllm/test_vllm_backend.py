@@ -1,0 +1,136 @@
+"""backend vllm against a real vLLM server: token ids in, ids, logprobs, versions out;
+abort, pause (keep) and weight pushes proven by the served logprobs of fixed ids."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from nexrl.inference.client import LLMServiceClient
+from nexrl.inference.protocol import GenerationRequest, SamplingParams, WeightUpdateMeta
+from nexrl.inference.remote import RemoteBackend
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # a start: 30 s-10 min
+
+PROMPT = [1, 5, 9, 12, 7, 3]
+
+
+def forward_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """The trainer's view: log_softmax of the logits at each response position."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_token_ids_logprobs_n_and_stop(vllm_config, tiny_model_path):
+    remote = RemoteBackend(vllm_config)
+    out = remote.generate(
+        GenerationRequest(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, n=2))
+    )
+    assert out.input_ids == PROMPT and len(out.outputs) == 2
+    first, second = out.outputs
+    assert first.output_ids == second.output_ids  # greedy, n > 1 (sent as 2 prompts)
+    assert len(first.output_logprobs) == len(first.output_ids) == 6
+    assert first.output_versions == [0] * 6 and first.finish_reason == "length"
+    want = forward_logprobs(hf_model(tiny_model_path), PROMPT, first.output_ids)
+    got = torch.tensor(first.output_logprobs)
+    assert (got - want).abs().max() < 1e-3, (got, want)
+    sampled = remote.generate(
+        GenerationRequest(PROMPT, SamplingParams(max_new_tokens=5, temperature=1.0, n=3, seed=1))
+    )
+    assert len(sampled.outputs) == 3 and all(len(o.output_ids) == 5 for o in sampled.outputs)
+    stop_at = first.output_ids[2]
+    stopped = remote.generate(
+        GenerationRequest(
+            PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[stop_at])
+        )
+    )
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].output_ids[-1] == stop_at
+    remote.shutdown()
+
+
+def long_request(client, rid: str, out: dict) -> threading.Thread:
+    def run() -> None:
+        out[rid] = client.completion(
+            prompt_ids=PROMPT, max_tokens=200, temperature=1.0, ignore_eos=True, rid=rid
+        )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    return thread
+
+
+def test_abort_returns_the_tokens_sampled_so_far(vllm_config):
+    client = LLMServiceClient(vllm_config)
+    out: dict = {}
+    thread = long_request(client, "one", out)
+    client.abort("one")
+    thread.join(60)
+    assert out["one"]["finish_reason"] == "abort"
+    assert 0 < len(out["one"]["response_ids"]) < 200
+    assert len(out["one"]["response_logprobs"]) == len(out["one"]["response_ids"])
+    thread = long_request(client, "two", out)
+    client.abort()  # all
+    thread.join(60)
+    assert out["two"]["finish_reason"] == "abort"
+
+
+def perturbed_weights(tiny_model_path, into) -> torch.nn.Module:
+    """The tiny model with every weight changed, saved as a safetensors directory."""
+    model = hf_model(tiny_model_path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(into), safe_serialization=True)
+    return model
+
+
+def test_a_push_serves_the_trained_weights_and_its_version(vllm_config, tiny_model_path, tmp_path):
+    client = LLMServiceClient(vllm_config)
+    trained = perturbed_weights(tiny_model_path, tmp_path / "w")
+    before = client.completion(prompt_ids=PROMPT, max_tokens=8, temperature=0)
+    client.update_weights(WeightUpdateMeta(version=5, path=str(tmp_path / "w")))
+    assert client.version == 5
+    after = client.completion(prompt_ids=PROMPT, max_tokens=8, temperature=0)
+    assert after["model_version"] == 5 and after["token_versions"] == [5] * 8
+    want = forward_logprobs(trained, PROMPT, after["response_ids"])
+    got = torch.tensor(after["response_logprobs"])
+    assert (got - want).abs().max() < 1e-3  # the served weights are the trained ones
+    old = forward_logprobs(hf_model(tiny_model_path), PROMPT, after["response_ids"])
+    assert (got - old).abs().max() > 1e-2  # and no longer the base ones
+    assert before["response_logprobs"] != after["response_logprobs"]
+
+
+def test_a_push_under_paused_requests_lets_them_finish_on_new_weights(
+    vllm_config, tiny_model_path, tmp_path
+):
+    client = LLMServiceClient(vllm_config)
+    perturbed_weights(tiny_model_path, tmp_path / "w")
+    out: dict = {}
+    thread = long_request(client, "kept", out)
+    client.pause()
+    client.update_weights(WeightUpdateMeta(version=2, path=str(tmp_path / "w")))
+    client.resume()
+    thread.join(120)
+    result = out["kept"]
+    assert result["finish_reason"] == "length" and len(result["response_ids"]) == 200
+    # started on version 0: vLLM reports no per-token version, so the older one counts
+    assert result["model_version"] == 0 and client.version == 2
+
+
+def test_engine_options_are_checked():
+    with pytest.raises(ValueError, match="engine.threads: not an option of backend vllm"):
+        LLMServiceClient({"backend": "vllm", "url": "http://127.0.0.1:9", "threads": 2})
