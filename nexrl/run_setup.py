@@ -74,8 +74,8 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
     )
     _resolve_data(cfg)
     OmegaConf.resolve(cfg)
-    saved = run_dir / "config.yaml"
-    if resumed and saved.exists():  # the run that created the folder owns config.yaml
+    saved: Path | None = run_dir / "config.yaml"
+    if resumed and (run_dir / "config.yaml").exists():  # the run that created the folder owns config.yaml
         if cfg.resume.use_saved_config:
             saved = None
         else:
@@ -128,6 +128,7 @@ def config_for_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
     if not path.exists():
         return cfg
     saved = OmegaConf.load(path)
+    assert isinstance(saved, DictConfig), f"{path} holds a list, not a config"
     differ = config_differences(cfg, saved)
     if not cfg.resume.use_saved_config:
         if differ:
@@ -153,6 +154,7 @@ def config_for_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
         )
     mine = _flat(OmegaConf.to_container(cfg, resolve=False))
     resume = OmegaConf.to_container(cfg.resume)
+    assert isinstance(resume, dict)
     try:
         merged = OmegaConf.merge(cfg, saved)
     except Exception as exc:  # omegaconf raises several types for one cause
@@ -162,8 +164,9 @@ def config_for_resume(cfg: DictConfig, run_dir: Path) -> DictConfig:
         ) from None
     for key in told:
         OmegaConf.update(merged, key, mine[key], merge=False)
-    for key, value in resume.items():  # how to resume is this command's choice
-        merged.resume[key] = value
+    for name, value in resume.items():  # how to resume is this command's choice
+        merged.resume[str(name)] = value
+    assert isinstance(merged, DictConfig)
     return merged
 
 
@@ -326,8 +329,8 @@ def find_resume_checkpoint(cfg: DictConfig, explicit_checkpoint_path: bool) -> s
     chosen = OmegaConf.select(cfg, "resume.resumed_from")
     if chosen and checkpoint_problem(chosen) is None:  # what resolve_run_config picked
         return str(chosen)
-    found = find_resume_run(Path(cfg.output_dir) / cfg.experiment_name)
-    return found[1] if found else None
+    run = find_resume_run(Path(cfg.output_dir) / cfg.experiment_name)
+    return run[1] if run else None
 
 
 def older_checkpoint(path: str | Path, failed: set[str]) -> str | None:

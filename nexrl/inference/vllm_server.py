@@ -175,6 +175,7 @@ class VLLMServer:
                 time.sleep(0.5)
 
     def _healthy(self, http: httpx.Client, deadline: float) -> bool:
+        assert self.proc is not None, "start() launches the server first"
         code = self.proc.poll()
         if code is not None:
             raise RuntimeError(
