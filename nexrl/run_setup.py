@@ -75,7 +75,8 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
     _resolve_data(cfg)
     OmegaConf.resolve(cfg)
     saved: Path | None = run_dir / "config.yaml"
-    if resumed and (run_dir / "config.yaml").exists():  # the run that created the folder owns config.yaml
+    # the run that created the folder owns config.yaml
+    if resumed and (run_dir / "config.yaml").exists():
         if cfg.resume.use_saved_config:
             saved = None
         else:
