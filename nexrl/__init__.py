@@ -41,7 +41,6 @@ _EXPORTS: dict[str, str | tuple[str, ...]] = {
     "collate": "nexrl.algorithms.processor",
     "TrajectoryPool": "nexrl.pools",
     "TrajectoryPoolInstance": "nexrl.pools",
-    "PutResult": "nexrl.pools",
     "SimpleTrajectoryStore": "nexrl.pools",
     "GroupedTrajectoryStore": "nexrl.pools",
     "HierarchicalTrajectoryStore": "nexrl.pools",

@@ -162,8 +162,11 @@ class HierarchicalTrajectoryStore:
                 del nodes[depth - 1][path[depth - 1]]
 
     def add_group(self, trajs: list[Trajectory]) -> None:
+        """One put of one key path with nothing of it held is a whole group, whatever its
+        length (a rollout worker puts a task's episodes together; a multi-turn episode may
+        be several trajectories). Otherwise each trajectory joins its leaf as in `add`."""
         paths = [self._path(traj) for traj in trajs]  # every key checked before any change
-        if len(trajs) == self._group_size and self._fresh_group(paths):
+        if trajs and self._fresh_group(paths):
             self._ready.push(list(trajs))  # the usual put: one whole group, nothing of it here
             return
         for traj, path in zip(trajs, paths, strict=True):
