@@ -1,0 +1,172 @@
+"""User code written the seeds' way, against the real engine, task owner, loader and pool:
+it trains, or fails at once with one line naming the problem; no task is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from nexrl import AgentRolloutWorker, BaseDataLoader, BaseRolloutWorker, Task
+from nexrl.config.schema import RolloutWorkerConfig
+from nexrl.inference.client import LLMServiceClient
+from nexrl.rewards import shift_letters
+from tests.rollout_parts import build_rollout_side
+
+
+@pytest.fixture
+def client(tiny_model_path):
+    return LLMServiceClient({"backend": "builtin", "model": tiny_model_path, "model_tag": "t"})
+
+
+ITEMS = [{"prompt": "abcd>", "answer": "bcde", "uid": "u0"}]
+
+
+def seed_step(self, task: dict[str, Any]) -> str | None:
+    """Seed 000's "Custom RolloutWorker Implementation", verbatim."""
+    if "prompt" not in task:
+        return None
+    prompt = task["prompt"]
+    result = self._llm_client.completion(prompt, temperature=0.7)
+    trajectory = {
+        "prompt": prompt,
+        "response": result["response"],
+        "finish_reason": result["finish_reason"],
+        "custom_metadata": task.get("metadata", {}),
+        "model_tag": self._llm_client._model_tag,
+    }
+    return self._put_trajectory(trajectory)
+
+
+class SeedWorker(BaseRolloutWorker):
+    step = seed_step
+
+
+class SeedAgentWorker(AgentRolloutWorker):
+    step = seed_step
+
+
+@pytest.mark.parametrize("worker_cls", [SeedWorker, SeedAgentWorker])
+def test_a_one_trajectory_step_fills_the_group(client, worker_cls):
+    """Under group_size 4 the step is called 4 times for the task: one group, no wait."""
+    side = build_rollout_side(client, ITEMS, shift_letters, worker_cls=worker_cls)
+    assert side.worker._loop_once()
+    batch = side.pool.get_batch()
+    assert batch is not None and len(batch) == 4 and set(batch.values["uid"]) == {"0-0"}
+    for text, ids in zip(batch.values["response"], batch.values["response_ids"], strict=True):
+        assert client.tokenizer.decode(ids, skip_special_tokens=True) == text  # its own sample
+    assert all(r is not None for r in batch.values["reward"])  # scored by reward_fn
+    assert side.tracker.get_counters().get("tasks_failed/train", 0) == 0
+
+
+class CopiesTheText(BaseRolloutWorker):
+    def step(self, task):
+        result = self._llm_client.completion(task["prompt"], max_tokens=4)
+        text = "".join(list(result["response"]))  # equal text, another object
+        return self._put_trajectory({"prompt": task["prompt"], "response": text})
+
+
+def test_token_ids_come_from_the_result_not_from_equal_text(client):
+    cfg = RolloutWorkerConfig(group_size=1, max_tokens=4, max_task_retries=0)
+    side = build_rollout_side(client, ITEMS, shift_letters, worker=cfg, worker_cls=CopiesTheText)
+    assert side.worker._loop_once()
+    assert side.pool.is_empty()
+    message = side.tracker.error_reporter.get_errors()[0].message
+    assert "missing ['prompt_ids', 'response_ids'" in message
+
+
+class TooMany(BaseRolloutWorker):
+    def step(self, task):
+        result = self._llm_client.completion(task["prompt"], n=5, max_tokens=4)
+        return self._put_trajectory_group([{**c, **result, **c} for c in result["choices"]])
+
+
+class PutsNothing(BaseRolloutWorker):
+    def step(self, task):
+        return "success"
+
+
+@pytest.mark.parametrize(
+    ("worker_cls", "message"),
+    [
+        (TooMany, "TooMany.step on task '0-0' put 5 episodes but rollout_worker.group_size=4"),
+        (PutsNothing, "PutsNothing.step on task '0-0' returned success but put no trajectory"),
+    ],
+)
+def test_a_wrong_group_is_an_error_then_a_counted_failure(client, worker_cls, message):
+    cfg = RolloutWorkerConfig(group_size=4, max_tokens=4, max_task_retries=1)
+    side = build_rollout_side(client, ITEMS, shift_letters, worker=cfg, worker_cls=worker_cls)
+    assert side.worker._loop_once() and side.worker._loop_once()  # the try, then the retry
+    errors = side.tracker.error_reporter.get_errors()
+    assert [e.exception_type for e in errors] == ["GroupSizeError"] * 2
+    assert message in errors[0].message
+    assert side.pool.is_empty() and len(side.loader) == 0
+    assert side.tracker.get_counters()["tasks_failed/train"] == 1
+
+
+class SeedLoader(BaseDataLoader):
+    """A loader written to seed 000's contract: its own list, its own get_next_item."""
+
+    def __init__(self, config, is_validate: bool = False):
+        super().__init__(config, is_validate)
+        self.items = list(config["items"])
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return len(self.items) - self.pos
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+    def get_next_item(self) -> dict[str, Any] | None:
+        if self.pos >= len(self.items):
+            return None
+        self.pos += 1
+        return self.items[self.pos - 1]
+
+    def is_finished(self) -> bool:
+        return self.pos >= len(self.items)
+
+    def can_return_item(self) -> bool:
+        return not self.is_finished()
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+def test_a_seed_loader_serves_the_tasks_given_back_first():
+    loader = SeedLoader({"items": [{"prompt": "a"}, {"prompt": "b"}]})
+    first = loader.get_next_item()
+    loader.add_item_front(first)
+    assert len(loader) == 2 and not loader.is_finished()
+    again = loader.get_next_item()
+    assert isinstance(again, Task) and again["prompt"] == "a"
+    assert loader.get_next_item()["prompt"] == "b" and loader.is_finished()
+    loader.add_item_back({"prompt": "c"})
+    assert not loader.is_finished()
+    loader.reset()
+    assert len(loader) == 2
+
+
+def test_a_seed_loader_loses_no_retried_task(client):
+    """Every task's first reward fails: each is retried through the user's loader and
+    trained the second time; none is counted failed, none is lost."""
+    items = [{"prompt": f"{w}>", "answer": w, "uid": f"u{i}"} for i, w in enumerate("abcd")]
+    failed_once: set[str] = set()
+
+    def flaky(prompt, completion, **row):
+        if row["uid"] not in failed_once:
+            failed_once.add(row["uid"])
+            raise RuntimeError("first try fails")
+        return 1.0
+
+    cfg = RolloutWorkerConfig(group_size=2, max_tokens=2, max_task_retries=1)
+    loader = SeedLoader({"items": items})
+    side = build_rollout_side(client, items, flaky, worker=cfg, loader=loader, gpb=4)
+    while side.worker._loop_once():
+        pass
+    assert loader.is_finished() and len(loader) == 0
+    batch = side.pool.get_batch()
+    assert batch is not None and sorted(set(batch.values["uid"])) == ["u0", "u1", "u2", "u3"]
+    counters = side.tracker.get_counters()
+    assert counters["rollout/released/fail"] == 4 and "tasks_failed/train" not in counters
