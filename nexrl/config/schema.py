@@ -349,6 +349,9 @@ class HealthCheckConfig:
 class RuntimeMonitorConfig:
     exception_handling: ExceptionHandlingConfig = field(default_factory=ExceptionHandlingConfig)
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    stall_report_s: float = 60.0
+    """Seconds without a train step before the run logs what it waits for (the pool's
+    groups, trajectories against expected, busy workers, the last error); 0: never."""
 
 
 @dataclass

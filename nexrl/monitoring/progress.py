@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich.console import Console
@@ -148,3 +149,57 @@ def _fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class StallReporter:
+    """Says what a run waits for when no train step has ended for `after_s` seconds.
+
+    `observe(step)` is called from the controller's watch loop with the current train
+    step; after `after_s` seconds on one step it logs one warning built by `describe()`
+    (which pool group, how many trajectories against how many expected, which worker is
+    busy on what, the last error), then again every `after_s` seconds while it lasts.
+    `after_s` <= 0 turns it off (`runtime_monitor.stall_report_s`).
+    """
+
+    def __init__(
+        self,
+        after_s: float,
+        describe: Callable[[], str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.after_s = after_s
+        self._describe = describe
+        self._clock = clock
+        self._step: int | None = None
+        self._since = clock()
+        self._reported = self._since
+
+    def observe(self, step: int) -> str | None:
+        """The report made now, if any (None: progress, or not yet time)."""
+        now = self._clock()
+        if step != self._step:
+            self._step, self._since, self._reported = step, now, now
+            return None
+        if self.after_s <= 0 or now - self._reported < self.after_s:
+            return None
+        self._reported = now
+        message = (
+            f"no train step for {now - self._since:.0f}s (at step {step}); waiting for: "
+            f"{self._describe()} (runtime_monitor.stall_report_s={self.after_s:g})"
+        )
+        logging.getLogger("nexrl").warning(message)
+        return message
+
+
+def describe_stall(pool: Any, wsc: Any, tracker: Any, model_tag: str) -> str:
+    """The state a stall report names: the trajectory pool's groups, the task owner's
+    admission, the work in flight (which worker does what) and the last error."""
+    from nexrl.execute import execute
+
+    admission = execute(wsc.get_admission_state, model_tag)
+    running = " ".join(execute(tracker.get_running_status_summary).split())
+    health = execute(tracker.get_error_health_status)
+    return (
+        f"{execute(pool.describe_wait, model_tag)}; admission {admission}; {running}; "
+        f"last error: {health.get('message', 'none')}"
+    )

@@ -35,6 +35,8 @@ class TrajectoryStore(Protocol):
 
     def drain_incomplete(self) -> list[Trajectory]: ...
 
+    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]: ...
+
     def ready_groups(self) -> list[list[Trajectory]]:
         """The complete groups, oldest first (a view: do not modify)."""
         ...
@@ -104,6 +106,9 @@ class SimpleTrajectoryStore:
         self._ready.clear()
 
     def drain_incomplete(self) -> list[Trajectory]:
+        return []
+
+    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]:
         return []
 
     def ready_groups(self) -> list[list[Trajectory]]:
@@ -202,6 +207,19 @@ class HierarchicalTrajectoryStore:
         self._tree.clear()
         self._pending = 0
         self._ready.clear()
+
+    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]:
+        """(key path, trajectories held) of every group still waiting for samples."""
+        out: list[tuple[tuple[Any, ...], int]] = []
+        stack: list[tuple[tuple[Any, ...], Any]] = [((), self._tree)]
+        while stack:
+            path, node = stack.pop()
+            for value, child in node.items():
+                if isinstance(child, list):
+                    out.append(((*path, value), len(child)))
+                else:
+                    stack.append(((*path, value), child))
+        return out
 
     def drain_incomplete(self) -> list[Trajectory]:
         """Remove and return the trajectories of groups that are not complete."""

@@ -235,6 +235,23 @@ class TrajectoryPoolInstance:
         with self._lock:
             return self._store.drain_incomplete()
 
+    def describe_wait(self, shown: int = 3) -> str:
+        """What a batch of this tag waits for, in one line (stall reports)."""
+        with self._lock:
+            ready, groups = self._store.num_ready(), self._store.incomplete_groups()
+        line = (
+            f"pool [{self.model_tag}]: {ready} of {self.batch_size} trajectories ready for a "
+            f"batch"
+        )
+        if groups:
+            parts = [
+                f"{'/'.join(map(str, path))}: {n} of {self.group_size}"
+                for path, n in groups[:shown]
+            ]
+            more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
+            line += f"; {len(groups)} incomplete group(s) ({', '.join(parts)}{more})"
+        return line
+
     def clear(self) -> None:
         with self._lock:
             self._store.clear()
@@ -370,3 +387,9 @@ class TrajectoryPool(NexRLModule):
     def clear(self, model_tag: ModelTag | None = None) -> None:
         for inst in self._selected(model_tag):
             inst.clear()
+
+    def describe_wait(self, model_tag: ModelTag | None = None) -> str:
+        """One line per tag: trajectories ready against the batch size, incomplete groups
+        with how many trajectories each holds against `group_size` (stall reports)."""
+        lines = [inst.describe_wait() for inst in self._selected(model_tag)]
+        return "; ".join(lines) if lines else "pool: no trajectory has arrived yet"

@@ -3,11 +3,20 @@ it trains, or fails at once with one line naming the problem; no task is lost.""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
 
-from nexrl import AgentRolloutWorker, BaseDataLoader, BaseRolloutWorker, Task
+from nexrl import (
+    AgentRolloutWorker,
+    BaseDataLoader,
+    BaseRolloutWorker,
+    NexRLController,
+    SingleTurnRolloutWorker,
+    Task,
+)
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.inference.client import LLMServiceClient
 from nexrl.rewards import shift_letters
@@ -170,3 +179,33 @@ def test_a_seed_loader_loses_no_retried_task(client):
     assert batch is not None and sorted(set(batch.values["uid"])) == ["u0", "u1", "u2", "u3"]
     counters = side.tracker.get_counters()
     assert counters["rollout/released/fail"] == 4 and "tasks_failed/train" not in counters
+
+
+class SlowFirstStep(SingleTurnRolloutWorker):
+    """A worker whose first training task takes 3 s (a slow tool, a slow reward)."""
+
+    slept = False
+
+    def step(self, task):
+        if not task.is_validate and not SlowFirstStep.slept:
+            SlowFirstStep.slept = True
+            time.sleep(3.0)
+        return super().step(task)
+
+
+@pytest.mark.slow
+def test_a_run_without_steps_says_what_it_waits_for(small_config, caplog):
+    cfg = small_config(
+        f"rollout_worker.type={__name__}:SlowFirstStep",
+        "rollout_worker.num_workers=1",
+        "trajectory_pool.batch_size=4",
+        "train_worker.total_train_steps=1",
+        "validate.validate_before_train=false",
+        "runtime_monitor.stall_report_s=1.0",
+    )
+    with caplog.at_level(logging.WARNING, logger="nexrl"):
+        NexRLController(cfg).run()
+    reports = [r.getMessage() for r in caplog.records if "no train step for" in r.getMessage()]
+    assert reports, "no stall report"
+    assert "pool: no trajectory has arrived yet" in reports[0]
+    assert "in flight: rollout_worker_0: rollout (" in reports[0] and "last error: no recent errors" in reports[0]
