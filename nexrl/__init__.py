@@ -19,7 +19,8 @@ import importlib
 from typing import Any
 
 from nexrl.config.loader import register_schema
-from nexrl.execute import execute, execute_async  # bound now: the submodule shares the name
+from nexrl.execute import execute as execute  # bound now: the submodule shares its name
+from nexrl.execute import execute_async as execute_async
 
 register_schema()
 

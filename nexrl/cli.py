@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 COMMANDS_HELP = {
     "train": "RL training (docs/quickstart.md, docs/configuration.md)",
@@ -188,9 +189,22 @@ def run_training(cfg) -> int:  # cfg: DictConfig
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 1
     finally:
+        _print_task_summary(controller)
         controller.shutdown()
     print(f"nexrl: done; final {metrics}", flush=True)
     return 0
+
+
+def _print_task_summary(controller: Any) -> None:
+    """Where every training task went (trained, failed, dropped, re-queued)."""
+    from nexrl.execute import execute
+    from nexrl.monitoring.progress import task_summary
+
+    try:
+        counters = execute(controller.activity_tracker.get_counters)
+    except Exception:  # the tracker went down with the run: nothing to summarise
+        return
+    print(f"nexrl: {task_summary(counters)}", flush=True)
 
 
 # -- the other commands: their own parsers, the shared options handled here -------------

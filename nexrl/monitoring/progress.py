@@ -203,3 +203,33 @@ def describe_stall(pool: Any, wsc: Any, tracker: Any, model_tag: str) -> str:
         f"{execute(pool.describe_wait, model_tag)}; admission {admission}; {running}; "
         f"last error: {health.get('message', 'none')}"
     )
+
+
+def task_summary(counters: Mapping[str, int]) -> str:
+    """The run's task ledger in one line: every training task handed out was trained,
+    counted failed, dropped (by reason) or not finished when the run ended (generating,
+    in a pool, or back in its loader); re-queues on the way are counted by reason (a
+    re-queued task is served again and ends in one of the other counts)."""
+    dropped = {
+        k.split("/", 1)[1]: v for k, v in counters.items() if k.startswith("groups_dropped/")
+    }
+    requeued = {
+        k.split("/", 2)[2]: v
+        for k, v in counters.items()
+        if k.startswith("rollout/released/") and k != "rollout/released/dynamic_sampling"
+    }
+    staleness = counters.get("staleness/dropped", 0)
+    if staleness:
+        requeued["stale"] = staleness
+
+    def detail(parts: dict[str, int]) -> str:
+        return f" ({', '.join(f'{k} {v}' for k, v in sorted(parts.items()))})" if parts else ""
+
+    handed = counters.get("tasks_in/train", 0)
+    trained, failed = counters.get("tasks_trained", 0), counters.get("tasks_failed/train", 0)
+    left = handed - trained - failed - sum(dropped.values())
+    return (
+        f"tasks: {handed} handed out; {trained} trained, {failed} failed, "
+        f"{sum(dropped.values())} dropped{detail(dropped)}, {left} not finished at the end; "
+        f"{sum(requeued.values())} re-queued on the way{detail(requeued)}"
+    )

@@ -98,7 +98,9 @@ class TrajectoryPoolInstance:
         self._refs = refs
 
     # ---- puts -------------------------------------------------------------
-    def put_trajectory_group(self, trajectories: list[Trajectory], whole: bool = True) -> StepResult:
+    def put_trajectory_group(
+        self, trajectories: list[Trajectory], whole: bool = True
+    ) -> StepResult:
         """All or nothing: SUCCESS, or FAIL (a malformed trajectory; reported). `whole`: the
         trajectories are one complete group; else each joins its group (`put_trajectory`)."""
         try:
@@ -240,8 +242,7 @@ class TrajectoryPoolInstance:
         with self._lock:
             ready, groups = self._store.num_ready(), self._store.incomplete_groups()
         line = (
-            f"pool [{self.model_tag}]: {ready} of {self.batch_size} trajectories ready for a "
-            f"batch"
+            f"pool [{self.model_tag}]: {ready} of {self.batch_size} trajectories ready for a batch"
         )
         if groups:
             parts = [

@@ -238,9 +238,7 @@ class BaseRolloutWorker(LoopModule):
                 break
         return self._put_group(task, episodes, need)
 
-    def _put_group(
-        self, task: Task, episodes: list[list[Trajectory]], need: int
-    ) -> StepResult:
+    def _put_group(self, task: Task, episodes: list[list[Trajectory]], need: int) -> StepResult:
         where = f"{type(self).__name__}.step on task {task.uid!r}"
         if not episodes:
             raise GroupSizeError(

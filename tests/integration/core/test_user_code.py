@@ -4,6 +4,7 @@ it trains, or fails at once with one line naming the problem; no task is lost.""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -208,4 +209,26 @@ def test_a_run_without_steps_says_what_it_waits_for(small_config, caplog):
     reports = [r.getMessage() for r in caplog.records if "no train step for" in r.getMessage()]
     assert reports, "no stall report"
     assert "pool: no trajectory has arrived yet" in reports[0]
-    assert "in flight: rollout_worker_0: rollout (" in reports[0] and "last error: no recent errors" in reports[0]
+    assert (
+        "in flight: rollout_worker_0: rollout (" in reports[0]
+        and "last error: no recent errors" in reports[0]
+    )
+
+
+@pytest.mark.slow
+def test_the_run_ends_with_where_every_task_went(small_config, capsys):
+    from nexrl.cli import run_training
+
+    cfg = small_config(
+        "train_worker.total_train_steps=1",
+        "validate.validate_before_train=false",
+        "trajectory_pool.batch_size=8",
+    )
+    assert run_training(cfg) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("nexrl: tasks: "))
+    handed, trained, failed, dropped, left = map(
+        int, re.findall(r"(\d+) (?:handed|trained|failed|dropped|not)", line)
+    )
+    assert trained == 2 and failed == 0
+    assert handed == trained + failed + dropped + left

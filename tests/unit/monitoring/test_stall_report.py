@@ -4,7 +4,7 @@ waits for (pool groups against their size, the batch, the busy workers, the last
 from __future__ import annotations
 
 from nexrl.config.schema import TrajectoryPoolConfig
-from nexrl.monitoring.progress import StallReporter
+from nexrl.monitoring.progress import StallReporter, task_summary
 from nexrl.pools import TrajectoryPool
 
 
@@ -19,8 +19,7 @@ def test_the_pool_names_its_incomplete_groups_against_their_size():
     pool.put_trajectory_group([traj("b")] * 4)
     line = pool.describe_wait()
     assert line == (
-        "pool [default]: 4 of 8 trajectories ready for a batch; "
-        "1 incomplete group(s) (a: 1 of 4)"
+        "pool [default]: 4 of 8 trajectories ready for a batch; 1 incomplete group(s) (a: 1 of 4)"
     )
 
 
@@ -48,3 +47,22 @@ def test_zero_turns_it_off():
     reporter.observe(1)
     now[0] = 1e6
     assert reporter.observe(1) is None
+
+
+def test_the_task_summary_accounts_for_every_task():
+    counters = {
+        "tasks_in/train": 10,
+        "tasks_trained": 6,
+        "tasks_failed/train": 1,
+        "groups_dropped/dynamic_sampling": 1,
+        "groups_dropped/end_of_data": 1,
+        "rollout/released/fail": 3,
+        "rollout/released/abort": 2,
+        "rollout/released/dynamic_sampling": 1,
+        "staleness/dropped": 1,
+    }
+    assert task_summary(counters) == (
+        "tasks: 10 handed out; 6 trained, 1 failed, 2 dropped (dynamic_sampling 1, "
+        "end_of_data 1), 1 not finished at the end; 6 re-queued on the way (abort 2, "
+        "fail 3, stale 1)"
+    )
