@@ -143,7 +143,8 @@ class TrainWorkerConfig:
     type: str = "default"
     """Worker type."""
     num_workers: int = 1
-    """Train workers (data-parallel ranks are the engine's business)."""
+    """Train workers: 1 (one optimizer per run; data-parallel ranks are the engine's
+    business: torchrun or `ray.train_ranks`). Other values are refused at start."""
     total_train_steps: int = 500
     """Stop after this many optimizer steps."""
     save_freq: int = 100
