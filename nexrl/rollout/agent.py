@@ -44,7 +44,7 @@ from nexrl.inference.protocol import (
 )
 from nexrl.registry import import_object
 from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
-from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories
+from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories, close_workflow
 from nexrl.types import StepResult, Task, Trajectory
 
 DEFAULT_WORKFLOW = "nexrl.agents.workflows:ToolWorkflow"
@@ -255,11 +255,16 @@ class AgentRolloutWorker(BaseRolloutWorker):
             return self._episodes
 
     def stop(self) -> None:
+        """Stop the loop, close the workflow on its episodes' loop (its close hook), then
+        stop that loop."""
         super().stop()
         with self._episodes_lock:
-            if self._episodes is not None:
-                self._episodes.close()
-                self._episodes = None
+            episodes, self._episodes = self._episodes, None
+        if episodes is not None:
+            try:
+                episodes.run(close_workflow(self.workflow))
+            finally:
+                episodes.close()
 
     def _block_until_pushed(self) -> None:
         wsc, tag = self._weight_sync_controller, self._model_tag()

@@ -21,6 +21,7 @@ Names that differ from the seed: the request is nexrl's `GenerationRequest`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 import time
@@ -43,11 +44,29 @@ EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
 
 
 class RolloutWorkflow(ABC):
-    """One episode of interaction with the policy (subclass and implement `arun_episode`)."""
+    """One episode of interaction with the policy (subclass and implement `arun_episode`).
+
+    `aclose` is the close hook: the runner (the agent rollout worker at its stop, the
+    `WorkflowExecutor` at `shutdown`) awaits it once, on the event loop the episodes ran
+    on, so that what the workflow opened there (an MCP session, an HTTP client, a proxy
+    server) is closed by the loop that owns it instead of leaking until exit."""
 
     @abstractmethod
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> EpisodeResult:
         """Run one episode for the data row; None rejects it (nothing is trained)."""
+
+    async def aclose(self) -> None:  # noqa: B027 (a hook: overriding it is optional)
+        """Release what the episodes opened (default: nothing)."""
+
+
+async def close_workflow(workflow: Any) -> None:
+    """Await a workflow's close hook; a workflow written without the base class (seed 004
+    shows plain classes) may have none, or a plain `close()`."""
+    hook = getattr(workflow, "aclose", None) or getattr(workflow, "close", None)
+    if hook is not None:
+        result = hook()
+        if inspect.isawaitable(result):
+            await result
 
 
 def sample_to_trajectory(sample: TokenSample, tokenizer: Any = None, **extra: Any) -> Trajectory:
@@ -118,6 +137,7 @@ class WorkflowExecutor:
         self.engine = engine
         self.max_concurrent = max_concurrent
         self._results: queue.Queue[list[Trajectory] | None | BaseException] = queue.Queue()
+        self._workflows: dict[int, RolloutWorkflow] = {}  # closed at `shutdown`
         self._pending = 0
         self._lock = threading.Lock()
         self._loop = EventLoopThread("workflow-executor")
@@ -142,6 +162,7 @@ class WorkflowExecutor:
         """Start one episode now; its result is collected by `wait`."""
         with self._lock:
             self._pending += 1
+            self._workflows.setdefault(id(workflow), workflow)
         coro = self._episode(dict(data), workflow)
         return self._loop.submit(coro)
 
@@ -246,5 +267,12 @@ class WorkflowExecutor:
             yield from (item if isinstance(item, list) else [item])
 
     def shutdown(self) -> None:
-        """Stop the executor's event loop (running episodes are cancelled)."""
-        self._loop.close()
+        """Close every workflow it ran (`aclose`, on the episodes' loop), then stop the
+        loop (running episodes are cancelled)."""
+        with self._lock:
+            workflows, self._workflows = list(self._workflows.values()), {}
+        try:
+            for workflow in workflows:
+                self._loop.run(close_workflow(workflow))
+        finally:
+            self._loop.close()

@@ -3,6 +3,7 @@ it trains, or fails at once with one line naming the problem; no task is lost.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -16,8 +17,10 @@ from nexrl import (
     BaseRolloutWorker,
     NexRLController,
     SingleTurnRolloutWorker,
+    RolloutWorkflow,
     Task,
 )
+from nexrl.inference.protocol import GenerationRequest, SamplingParams
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.inference.client import LLMServiceClient
 from nexrl.rewards import shift_letters
@@ -232,3 +235,43 @@ def test_the_run_ends_with_where_every_task_went(small_config, capsys):
     )
     assert trained == 2 and failed == 0
     assert handed == trained + failed + dropped + left
+
+
+class LoopBoundWorkflow(RolloutWorkflow):
+    """Opens something bound to the episodes' loop; its close hook must run there."""
+
+    def __init__(self) -> None:
+        self.loops: set[int] = set()
+        self.closed_on: int | None = None
+
+    async def arun_episode(self, engine, data):
+        self.loops.add(id(asyncio.get_running_loop()))
+        resp = await engine.agenerate(
+            GenerationRequest(engine.tokenizer(data["prompt"])["input_ids"], SamplingParams(4))
+        )
+        out = resp.outputs[0]
+        return {
+            "prompt_ids": list(resp.input_ids),
+            "response_ids": list(out.output_ids),
+            "response_logprobs": list(out.output_logprobs),
+            "token_versions": list(out.output_versions),
+            "finish_reason": out.finish_reason,
+            "response": out.text,
+        }
+
+    async def aclose(self) -> None:
+        self.closed_on = id(asyncio.get_running_loop())
+
+
+def test_the_agent_worker_closes_its_workflow_on_the_episodes_loop(client):
+    workflow = LoopBoundWorkflow()
+
+    class Worker(AgentRolloutWorker):
+        def __init__(self, config, llm_client, context, reward_fn=None):
+            super().__init__(config, llm_client, context, reward_fn, workflow=workflow)
+
+    side = build_rollout_side(client, ITEMS, shift_letters, worker_cls=Worker)
+    assert side.worker._loop_once()
+    assert len(side.pool.get_batch()) == 4  # the workflow's dicts had no loss_mask: filled
+    side.worker.stop()
+    assert workflow.closed_on is not None and {workflow.closed_on} == workflow.loops
