@@ -240,9 +240,10 @@ class AgentRolloutWorker(BaseRolloutWorker):
     async def _run_group(
         self, row: dict[str, Any], n: int, engine: ClientEngine
     ) -> list[list[Trajectory] | None]:
+        version = engine.version
         runs = [self.workflow.arun_episode(engine, dict(row)) for _ in range(n)]
         results = await asyncio.gather(*runs)
-        return [as_trajectories(r, engine.tokenizer) for r in results]
+        return [as_trajectories(r, engine.tokenizer, version) for r in results]
 
     def _episode_loop(self) -> EventLoopThread:
         """The worker's event loop (made on first use). Its executor has a thread for

@@ -106,8 +106,63 @@ def fill_masked_versions(traj: Trajectory) -> Trajectory:
     return traj
 
 
-def as_trajectories(result: EpisodeResult, tokenizer: Any = None) -> list[Trajectory] | None:
-    """An episode's answer as a list of trajectory dicts (None stays None: rejected)."""
+def _row(value: Any) -> list | None:
+    """A tensor / array / list of one sequence as a list (a leading batch dim of 1 dropped)."""
+    if value is None:
+        return None
+    rows = value.tolist() if hasattr(value, "tolist") else list(value)
+    if rows and isinstance(rows[0], list):
+        if len(rows) != 1:
+            raise ValueError(f"an episode's tensors hold {len(rows)} sequences; return one each")
+        rows = rows[0]
+    return rows
+
+
+def from_tensor_dict(item: dict[str, Any]) -> Trajectory:
+    """AReaL-lite's episode output (seed 004: `input_ids`, `loss_mask`, `logprobs`,
+    `versions`, `rewards`, optional `attention_mask`; tensors of shape (1, L) or (L,)) as a
+    trajectory: the tokens before the first loss-mask 1 are the prompt."""
+    ids, mask = _row(item["input_ids"]), _row(item.get("loss_mask"))
+    if mask is None:
+        raise ValueError(
+            "arun_episode returned `input_ids` without `loss_mask`: give loss_mask (1 on the "
+            "tokens the policy sampled) so that the prompt and the response can be told apart"
+        )
+    keep = _row(item.get("attention_mask")) or [1] * len(ids)
+    pick = [i for i, a in enumerate(keep) if a]
+    ids, mask = [ids[i] for i in pick], [int(mask[i]) for i in pick]
+    logprobs = _row(item.get("logprobs"))
+    versions = _row(item.get("versions"))
+    cut = mask.index(1) if 1 in mask else len(ids)
+    traj: Trajectory = {
+        "prompt_ids": [int(x) for x in ids[:cut]],
+        "response_ids": [int(x) for x in ids[cut:]],
+        "response_logprobs": [float(logprobs[i]) for i in pick][cut:]
+        if logprobs is not None
+        else None,
+        "loss_mask": mask[cut:],
+        "finish_reason": item.get("finish_reason", "stop"),
+    }
+    if versions is not None:
+        traj["token_versions"] = [int(versions[i]) for i in pick][cut:]
+    reward = item.get("rewards", item.get("reward"))
+    if reward is not None:
+        value = reward.tolist() if hasattr(reward, "tolist") else reward
+        while isinstance(value, list):  # a (1,) or (1, 1) tensor
+            value = value[0]
+        traj["reward"] = float(value)
+    return traj
+
+
+def as_trajectories(
+    result: EpisodeResult, tokenizer: Any = None, version: int | None = None
+) -> list[Trajectory] | None:
+    """An episode's answer as a list of trajectory dicts (None stays None: rejected).
+
+    A dict may be a trajectory or AReaL-lite's tensor dict (`from_tensor_dict`). Keys a
+    trajectory may leave out are filled: `loss_mask` (all 1), `model_version` (`version`,
+    the engine's when the episode started) when it has no per-token versions, and
+    `response` (decoded with `tokenizer`)."""
     if result is None:
         return None
     items = result if isinstance(result, list) else [result]
@@ -115,14 +170,25 @@ def as_trajectories(result: EpisodeResult, tokenizer: Any = None) -> list[Trajec
     for item in items:
         if isinstance(item, TokenSample):
             out.append(sample_to_trajectory(item, tokenizer))
-        elif isinstance(item, dict):
-            out.append(fill_masked_versions(dict(item)))
-        else:
+            continue
+        if not isinstance(item, dict):
             raise TypeError(
                 f"arun_episode returned {type(item).__name__}; expected a trajectory dict, "
                 "a TokenSample, a list of them, or None"
             )
+        traj = from_tensor_dict(item) if _is_tensor_dict(item) else dict(item)
+        if traj.get("loss_mask") is None and traj.get("response_ids") is not None:
+            traj["loss_mask"] = [1] * len(traj["response_ids"])
+        if traj.get("model_version") is None and not traj.get("token_versions"):
+            traj["model_version"] = version
+        if traj.get("response") is None and tokenizer is not None and "response_ids" in traj:
+            traj["response"] = tokenizer.decode(traj["response_ids"], skip_special_tokens=True)
+        out.append(fill_masked_versions(traj))
     return out
+
+
+def _is_tensor_dict(item: dict[str, Any]) -> bool:
+    return "input_ids" in item and "response_ids" not in item
 
 
 class WorkflowExecutor:
@@ -168,9 +234,10 @@ class WorkflowExecutor:
 
     async def _episode(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
         try:
+            version = self.engine.version
             result = await workflow.arun_episode(self.engine, data)
             tokenizer = getattr(self.engine, "tokenizer", None)
-            self._results.put(as_trajectories(result, tokenizer))
+            self._results.put(as_trajectories(result, tokenizer, version))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the caller of wait()

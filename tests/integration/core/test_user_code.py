@@ -10,19 +10,20 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from nexrl import (
     AgentRolloutWorker,
     BaseDataLoader,
     BaseRolloutWorker,
     NexRLController,
-    SingleTurnRolloutWorker,
     RolloutWorkflow,
+    SingleTurnRolloutWorker,
     Task,
 )
-from nexrl.inference.protocol import GenerationRequest, SamplingParams
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.inference.client import LLMServiceClient
+from nexrl.inference.protocol import GenerationRequest, SamplingParams
 from nexrl.rewards import shift_letters
 from tests.rollout_parts import build_rollout_side
 
@@ -275,3 +276,60 @@ def test_the_agent_worker_closes_its_workflow_on_the_episodes_loop(client):
     assert len(side.pool.get_batch()) == 4  # the workflow's dicts had no loss_mask: filled
     side.worker.stop()
     assert workflow.closed_on is not None and {workflow.closed_on} == workflow.loops
+
+
+class TensorDictWorkflow:
+    """Seed 004's workflow shape: a plain class whose episode returns AReaL's tensor dict
+    (input_ids, loss_mask, logprobs, versions, rewards, attention_mask; shape (1, L))."""
+
+    async def arun_episode(self, engine, data):
+        prompt = list(engine.tokenizer(data["prompt"])["input_ids"])
+        out = (await engine.agenerate(GenerationRequest(prompt, SamplingParams(4)))).outputs[0]
+        n, m = len(prompt), len(out.output_ids)
+        return {
+            "input_ids": torch.tensor([prompt + list(out.output_ids)]),
+            "loss_mask": torch.tensor([[0] * n + [1] * m]),
+            "logprobs": torch.tensor([[0.0] * n + list(out.output_logprobs)]),
+            "versions": torch.tensor([[-1] * n + list(out.output_versions)]),
+            "rewards": torch.tensor([0.5]),
+            "attention_mask": torch.ones(1, n + m, dtype=torch.long),
+        }
+
+
+class BareDictWorkflow:
+    """A trajectory dict with ids and logprobs only: no loss_mask, no versions, no text."""
+
+    async def arun_episode(self, engine, data):
+        prompt = list(engine.tokenizer(data["prompt"])["input_ids"])
+        out = (await engine.agenerate(GenerationRequest(prompt, SamplingParams(4)))).outputs[0]
+        return {
+            "prompt_ids": prompt,
+            "response_ids": list(out.output_ids),
+            "response_logprobs": list(out.output_logprobs),
+        }
+
+
+@pytest.mark.parametrize("workflow_cls", [TensorDictWorkflow, BareDictWorkflow])
+def test_seed_004_episode_outputs_train(client, workflow_cls):
+    class Worker(AgentRolloutWorker):
+        def __init__(self, config, llm_client, context, reward_fn=None):
+            super().__init__(config, llm_client, context, reward_fn, workflow=workflow_cls())
+
+    side = build_rollout_side(client, ITEMS, shift_letters, worker_cls=Worker)
+    assert side.worker._loop_once()
+    batch = side.pool.get_batch()
+    assert batch is not None and len(batch) == 4, side.tracker.error_reporter.get_errors()
+    for ids, mask, text in zip(
+        batch.values["response_ids"],
+        batch.values["loss_mask"],
+        batch.values["response"],
+        strict=True,
+    ):
+        assert (
+            mask == [1] * len(ids)
+            and client.tokenizer.decode(ids, skip_special_tokens=True) == text
+        )
+    assert all(v == 0 for v in batch.values["model_version"]) or "token_versions" in batch.values
+    if workflow_cls is TensorDictWorkflow:
+        assert batch.values["reward"] == [0.5] * 4
+    side.worker.stop()
