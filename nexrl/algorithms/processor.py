@@ -177,9 +177,22 @@ def async_metrics(columns: Columns, metadata: dict[str, Any]) -> dict[str, float
 
 
 def min_token_versions(columns: Columns) -> list[int]:
-    """Per sample, the oldest weight version that sampled one of its tokens."""
-    model = columns["model_version"]
-    return [min(v or [m]) for v, m in zip(_column(columns, "token_versions"), model, strict=True)]
+    """Per sample, the oldest weight version that sampled one of its tokens (0 when the
+    sample carries no version at all)."""
+    model = columns.get("model_version") or [None] * _size(columns)
+    return [
+        min(v or [0 if m is None else m])
+        for v, m in zip(_column(columns, "token_versions"), model, strict=True)
+    ]
+
+
+def source_metadata(batch: Batch) -> dict[str, Any]:
+    """What the train worker reads from a train batch's metadata, from the pool batch."""
+    return {
+        "model_tag": batch.metadata.get("model_tag", DEFAULT_MODEL_TAG),
+        "min_token_versions": min_token_versions(batch.values),
+        "uids": list(batch.values.get("uid") or []),
+    }
 
 
 def first_rows(columns: Columns, n: int) -> list[Trajectory]:
@@ -212,6 +225,7 @@ class BaseAlgorithmProcessor(LoopModule):
         self._trajectory_pool: TrajectoryPoolLike | None = None
         self._train_batch_pool: TrainBatchPoolLike | None = None
         self._train_worker: TrainWorkerLike | None = None
+        self._source: Batch | None = None  # the pool batch `_fit` is processing
         self._loop = LoopThread("algorithm-processor", self._loop_once)
 
     def set_module_references(
@@ -229,6 +243,7 @@ class BaseAlgorithmProcessor(LoopModule):
         batch = self._get_batch(self._context.batch_size)
         if batch is None:
             return False
+        self._source = batch
         with self._activity_tracker.track(self._module_name, "process batch"):
             self._fit(batch, "train")
         return True
@@ -237,6 +252,13 @@ class BaseAlgorithmProcessor(LoopModule):
         return execute(self._trajectory_pool.get_batch, batch_size, wait_s=BLOCKING_GET_WAIT_S)
 
     def _put_batch(self, batch: Batch, update_fn: str) -> bool:
+        """Hand a train batch on. Metadata the train worker reads and a `_fit` written as in
+        seed 000 does not set (`model_tag`, `min_token_versions`, `uids`) is taken from the
+        pool batch being processed."""
+        source = self._source
+        if source is not None:
+            for key, value in source_metadata(source).items():
+                batch.metadata.setdefault(key, value)
         return execute(self._train_batch_pool.put_batch, batch, update_fn)
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
