@@ -296,8 +296,9 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             ref = execute(self._train_worker.compute_ref_logprobs, Batch(dict(values)))
             if ref is None:
                 raise ValueError(
-                    "algorithm.kl_in_reward_coef > 0 needs "
-                    "train_worker.engine.ref_model_path (a reference model)"
+                    "algorithm.kl_in_reward_coef > 0 but the train engine has no reference "
+                    "model: set train_worker.engine.ref_model_path (a run resolved by "
+                    "nexrl.run_setup defaults it to model_path)"
                 )
             values["ref_logprobs"] = ref
             rewards, kl = apply_kl_penalty(
