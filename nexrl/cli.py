@@ -168,6 +168,10 @@ def _train(argv: list[str]) -> int:
 def run_training(cfg) -> int:  # cfg: DictConfig
     from nexrl.training import trainer_spare
 
+    if problem := missing_gpu(cfg):  # before anything loads
+        print(f"nexrl train: {problem}", file=sys.stderr)
+        return 2
+
     # before the controller's imports, so that a trainer child's imports run beside them
     trainer_spare.prestart_for(cfg)
     try:
@@ -188,6 +192,13 @@ def run_training(cfg) -> int:  # cfg: DictConfig
     except TrainingAborted as exc:
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            f"\nnexrl train: interrupted (Ctrl-C); run dir {controller.run_dir} "
+            "(continue it with resume.mode=auto)",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         _print_task_summary(controller)
         controller.shutdown()
@@ -308,7 +319,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nexrl: unknown command {argv[0]!r}", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C: a user's decision, not a bug: one line
+        print(f"\nnexrl {argv[0]}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def missing_gpu(cfg: Any) -> str | None:
+    """The first config key that asks for a CUDA device on a machine without one."""
+    from omegaconf import OmegaConf
+
+    def walk(node: Any, prefix: str) -> str | None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                found = walk(value, f"{prefix}{key}.")
+                if found:
+                    return found
+        elif isinstance(node, str) and node.startswith("cuda") and prefix.endswith("device."):
+            return f"{prefix[:-1]}={node}"
+        return None
+
+    found = walk(OmegaConf.to_container(cfg, resolve=False), "")
+    if found is None:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"{found} but this machine has no CUDA GPU (torch.cuda.is_available() is False); "
+        "set it to cpu or run on a GPU machine"
+    )
 
 
 if __name__ == "__main__":

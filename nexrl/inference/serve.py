@@ -109,6 +109,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.weights_dir = []  # a network-facing server loads weights from nowhere by default
     if args.model is not None:
         args.model = model_dir(parser, args.model)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(
+                f"--device {args.device}: this machine has no CUDA GPU "
+                "(torch.cuda.is_available() is False); use --device cpu"
+            )
 
 
 def model_dir(parser: argparse.ArgumentParser, model: str) -> str:
