@@ -176,6 +176,29 @@ def async_metrics(columns: Columns, metadata: dict[str, Any]) -> dict[str, float
     }
 
 
+_TRUNCATED_WARN_FRAC = 0.5
+_truncation_warned = False
+
+
+def warn_if_truncated(columns: Columns, max_tokens: int) -> bool:
+    """Warn (once per process) when most completions of a batch hit `max_tokens`: the
+    policy is then trained on cut-off answers, usually a `max_tokens` meant for another
+    task (the built-in task's 4). True when it warned now."""
+    global _truncation_warned
+    reasons = _column(columns, "finish_reason")
+    frac = sum(r == "length" for r in reasons) / max(1, len(reasons))
+    if _truncation_warned or frac <= _TRUNCATED_WARN_FRAC:
+        return False
+    _truncation_warned = True
+    logger.warning(
+        "%.0f%% of this batch's completions were cut off at rollout_worker.max_tokens=%d; "
+        "raise it to fit your task's answers (the metric response/truncated_frac tracks it)",
+        100 * frac,
+        max_tokens,
+    )
+    return True
+
+
 def min_token_versions(columns: Columns) -> list[int]:
     """Per sample, the oldest weight version that sampled one of its tokens (0 when the
     sample carries no version at all)."""
@@ -207,6 +230,9 @@ class ProcessorContext:
     batch_size: int
     max_tokens: int
     pad_token_id: int
+    warn_truncated: bool = True
+    """Warn when most completions hit `max_tokens` (off on the built-in task, whose
+    4-letter answers are cut at 4 tokens by design)."""
 
 
 class BaseAlgorithmProcessor(LoopModule):
@@ -322,6 +348,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         values["advantages"] = self._estimator(
             rewards, group_index(columns["uid"]), values["loss_mask"], **self._estimator_kwargs
         )
+        if self._context.warn_truncated:
+            warn_if_truncated(columns, self._context.max_tokens)
         metadata = {
             **batch.metadata,
             "model_tag": batch.metadata.get("model_tag", DEFAULT_MODEL_TAG),

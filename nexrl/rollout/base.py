@@ -132,6 +132,7 @@ class BaseRolloutWorker(LoopModule):
             )
         )
         self._is_running_validate = False
+        self._unk_warned = False
         self._per_thread = threading.local()  # `current_task`, one per running step
         self._helpers: HelperThreads | None = None  # validation tasks side by side
         self._trajectory_pool: TrajectoryPoolLike | None = None
@@ -325,6 +326,22 @@ class BaseRolloutWorker(LoopModule):
         if traj.get("reward") is None and self._reward_fn is not None and task is not None:
             traj["reward"] = self.score(task.data, traj)
         return traj
+
+    def warn_unknown_tokens(self, prompt_ids: list[int], task: Task) -> bool:
+        """Warn once per worker when the tokenizer turned part of a prompt into its unknown
+        token (user text the model cannot see: the built-in tiny model's tokenizer knows
+        58 characters). True when it warned now."""
+        unk = getattr(getattr(self._llm_client, "tokenizer", None), "unk_token_id", None)
+        if self._unk_warned or unk is None or unk not in prompt_ids:
+            return False
+        self._unk_warned = True
+        logger.warning(
+            "task %r: the tokenizer maps %d prompt token(s) to its unknown token, so the model "
+            "never sees that text; set model_path to a model whose tokenizer covers your data",
+            task.uid,
+            prompt_ids.count(unk),
+        )
+        return True
 
     def _fill_from_client(self, traj: Trajectory) -> None:
         """Token ids, logprobs and versions of the client sample whose `response` object

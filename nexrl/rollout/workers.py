@@ -118,6 +118,8 @@ class GroupSampler:
             choices = [dict(c) for c in saved]
         else:
             choices = split_choices(self.first_request(prompt, kwargs))
+            if choices:
+                worker.warn_unknown_tokens(choices[0].get("prompt_ids") or [], task)
         while aborted(choices):
             if not saved:  # a restored partial was counted when it was aborted
                 task.aborts += 1

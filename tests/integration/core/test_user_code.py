@@ -333,3 +333,44 @@ def test_seed_004_episode_outputs_train(client, workflow_cls):
     if workflow_cls is TensorDictWorkflow:
         assert batch.values["reward"] == [0.5] * 4
     side.worker.stop()
+
+
+def test_text_the_tokenizer_cannot_encode_is_warned_once(client, caplog):
+    items = [{"prompt": "héllo>", "answer": "x", "uid": "u0"}]
+    side = build_rollout_side(client, items, shift_letters)
+    with caplog.at_level(logging.WARNING):
+        assert side.worker._loop_once()
+        again = client.tokenizer("ä>")["input_ids"]
+        assert not side.worker.warn_unknown_tokens(again, Task(data={"uid": "u1"}))  # once
+    warned = [r.getMessage() for r in caplog.records if "unknown token" in r.getMessage()]
+    assert warned == [
+        "task '0-0': the tokenizer maps 1 prompt token(s) to its unknown token, so the model "
+        "never sees that text; set model_path to a model whose tokenizer covers your data"
+    ]
+
+
+def test_own_data_with_the_builtin_max_tokens_is_warned(tmp_path, caplog):
+    from nexrl.data.tasks import warn_own_data_defaults, write_task
+    from nexrl.models.tiny import cache_dir
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "Explain RL."}\n')
+    builtin, _ = write_task("shift_letters", cache_dir() / "data")
+    assert warn_own_data_defaults(str(builtin), 4) is None
+    assert warn_own_data_defaults(None, 4) is None
+    assert warn_own_data_defaults(str(mine), 256) is None
+    message = warn_own_data_defaults(str(mine), 4)
+    assert message is not None and "set rollout_worker.max_tokens" in message
+
+
+def test_mostly_truncated_batches_are_warned(caplog, monkeypatch):
+    from nexrl.algorithms import processor
+
+    monkeypatch.setattr(processor, "_truncation_warned", False)
+    with caplog.at_level(logging.WARNING):
+        assert not processor.warn_if_truncated({"finish_reason": ["stop", "length"]}, 8)
+        assert processor.warn_if_truncated({"finish_reason": ["length"] * 3 + ["stop"]}, 8)
+        assert not processor.warn_if_truncated({"finish_reason": ["length"]}, 8)  # once
+    assert "75% of this batch's completions were cut off at rollout_worker.max_tokens=8" in (
+        caplog.text
+    )
