@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
+from nexrl.agents.chat import warn_if_template_drops
 from nexrl.inference.api_models import ChatRequest, chat_body, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine
 from nexrl.inference.tool_parsers import get_parser
@@ -132,6 +133,7 @@ class RecordingProxy:
 
     async def _chat(self, sid: str, body: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(body.messages)
+        warn_if_template_drops(self.tokenizer, messages, body.tools)
         prompt = self.tokenizer.apply_chat_template(
             messages, tools=body.tools or None, add_generation_prompt=True, tokenize=True
         )
