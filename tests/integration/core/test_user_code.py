@@ -374,3 +374,26 @@ def test_mostly_truncated_batches_are_warned(caplog, monkeypatch):
     assert "75% of this batch's completions were cut off at rollout_worker.max_tokens=8" in (
         caplog.text
     )
+
+
+class TwoChainsWorkflow(BareDictWorkflow):
+    """An episode whose turns do not merge (SmolLM2's template drops the tool call): two
+    trajectories per episode."""
+
+    async def arun_episode(self, engine, data):
+        first = await super().arun_episode(engine, data)
+        return [first, {**first, "turn": 1}]
+
+
+def test_a_group_is_its_episodes_however_many_trajectories_they_made(client):
+    class Worker(AgentRolloutWorker):
+        def __init__(self, config, llm_client, context, reward_fn=None):
+            super().__init__(config, llm_client, context, reward_fn, workflow=TwoChainsWorkflow())
+
+    items = [{"prompt": "abcd>", "answer": "bcde"}, {"prompt": "wxyz>", "answer": "xyza"}]
+    side = build_rollout_side(client, items, shift_letters, worker_cls=Worker, gpb=2)
+    assert side.worker._loop_once() and side.worker._loop_once()
+    batch = side.pool.get_batch()  # 2 groups of 4 episodes: 16 trajectories, none waiting
+    assert batch is not None and len(batch) == 16 and side.pool.is_empty()
+    assert sorted(batch.values["uid"]) == ["0-0"] * 8 + ["0-1"] * 8
+    side.worker.stop()
