@@ -96,10 +96,14 @@ def build_algorithm_processor(cfg: DictConfig) -> Any:
     config = section(cfg.algorithm)
     cls = PROCESSORS.get(config.type)
     pad_id = AutoTokenizer.from_pretrained(cfg.model_path).pad_token_id or 0
+    from nexrl.data.tasks import is_builtin_data, warn_own_data_defaults
+
+    warn_own_data_defaults(cfg.data.path, cfg.rollout_worker.max_tokens)
     context = ProcessorContext(
         batch_size=cfg.trajectory_pool.batch_size,
         max_tokens=cfg.rollout_worker.max_tokens,
         pad_token_id=pad_id,
+        warn_truncated=not is_builtin_data(cfg.data.path),
     )
     return cls(config, context)
 

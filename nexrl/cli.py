@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 COMMANDS_HELP = {
     "train": "RL training (docs/quickstart.md, docs/configuration.md)",
@@ -165,6 +166,10 @@ def _train(argv: list[str]) -> int:
 
 
 def run_training(cfg) -> int:  # cfg: DictConfig
+    if problem := missing_gpu(cfg):  # before anything loads
+        print(f"nexrl train: {problem}", file=sys.stderr)
+        return 2
+
     try:
         from nexrl.controller import NexRLController, TrainingAborted
 
@@ -182,10 +187,30 @@ def run_training(cfg) -> int:  # cfg: DictConfig
     except TrainingAborted as exc:
         print(f"nexrl train: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            f"\nnexrl train: interrupted (Ctrl-C); run dir {controller.run_dir} "
+            "(continue it with resume.mode=auto)",
+            file=sys.stderr,
+        )
+        return 130
     finally:
+        _print_task_summary(controller)
         controller.shutdown()
     print(f"nexrl: done; final {metrics}", flush=True)
     return 0
+
+
+def _print_task_summary(controller: Any) -> None:
+    """Where every training task went (trained, failed, dropped, re-queued)."""
+    from nexrl.execute import execute
+    from nexrl.monitoring.progress import task_summary
+
+    try:
+        counters = execute(controller.activity_tracker.get_counters)
+    except Exception:  # the tracker went down with the run: nothing to summarise
+        return
+    print(f"nexrl: {task_summary(counters)}", flush=True)
 
 
 # -- the other commands: their own parsers, the shared options handled here -------------
@@ -289,7 +314,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nexrl: unknown command {argv[0]!r}", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C: a user's decision, not a bug: one line
+        print(f"\nnexrl {argv[0]}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def missing_gpu(cfg: Any) -> str | None:
+    """The first config key that asks for a CUDA device on a machine without one."""
+    from omegaconf import OmegaConf
+
+    def walk(node: Any, prefix: str) -> str | None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                found = walk(value, f"{prefix}{key}.")
+                if found:
+                    return found
+        elif isinstance(node, str) and node.startswith("cuda") and prefix.endswith("device."):
+            return f"{prefix[:-1]}={node}"
+        return None
+
+    found = walk(OmegaConf.to_container(cfg, resolve=False), "")
+    if found is None:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"{found} but this machine has no CUDA GPU (torch.cuda.is_available() is False); "
+        "set it to cpu or run on a GPU machine"
+    )
 
 
 if __name__ == "__main__":

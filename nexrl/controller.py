@@ -58,6 +58,7 @@ from nexrl.distributed.recovery import (
 from nexrl.execute import ModuleDiedError, execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
+from nexrl.monitoring.progress import StallReporter, describe_stall
 from nexrl.run_setup import (
     find_latest_checkpoint,
     find_resume_checkpoint,
@@ -99,6 +100,15 @@ class NexRLController:
         self._next_error_check = 0.0
         self._next_restart_check = 0.0
         self._steps_seen = 0  # train steps the weight sync controller had finished
+        self._stall = StallReporter(
+            self._monitor.stall_report_s,
+            lambda: describe_stall(
+                self.system.trajectory_pool,
+                self.system.weight_sync_controller,
+                self.activity_tracker,
+                self._tag,
+            ),
+        )
         self.rewinds: list[tuple[int, list[str]]] = []
         """(checkpoint step, restarted actor groups) per Ray rewind (docs/reliability.md)."""
         self.final_metrics: dict[str, float] = {}
@@ -150,6 +160,7 @@ class NexRLController:
                 self._steps_seen = execute(
                     wsc.wait_for_progress, self._steps_seen, self.system.progress_wait_s
                 )
+                self._stall.observe(self._steps_seen)
         except (ActorRestartedError, TrainingAborted):
             if not self._rewind_after_restart(settle=True):
                 raise

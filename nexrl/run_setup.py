@@ -64,6 +64,9 @@ def resolve_run_config(cfg: DictConfig) -> DictConfig:
         from nexrl.models.sources import resolve_model
 
         cfg.model_path = str(resolve_model(cfg.model_path))
+    from nexrl.algorithms.kl import reference_model_path
+
+    cfg.train_worker.engine.ref_model_path = reference_model_path(cfg)  # KL: the initial policy
     cfg.logger.run_dir = str(run_dir)
     cfg.service.train_service.backend = train_backend(cfg)  # `auto` (a config not loaded)
     cfg.train_worker.checkpoint_path = cfg.train_worker.checkpoint_path or str(

@@ -108,6 +108,23 @@ class Task:
     def uid(self) -> Any:
         return self.data.get("uid")
 
+    # Read access to the row, so a `step(task)` written for the row dict (seed 000:
+    # `task["prompt"]`, `task.get(...)`, `"prompt" in task`) works on the Task itself.
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.data
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def keys(self) -> Any:
+        return self.data.keys()
+
+    def items(self) -> Any:
+        return self.data.items()
+
 
 REQUIRED_TRAJECTORY_KEYS = ("uid", "prompt_ids", "response_ids", "response_logprobs")
 

@@ -48,6 +48,7 @@ def build_rollout_side(
     gpb: int = 1,
     worker_cls: type = SingleTurnRolloutWorker,
     sync_weight_path: str = "/tmp/unused",
+    loader: Any = None,
 ) -> RolloutSide:
     weight = weight or WeightConfig()
     worker_cfg = worker or RolloutWorkerConfig(group_size=4, max_tokens=4, max_task_retries=1)
@@ -60,7 +61,7 @@ def build_rollout_side(
         groups_per_batch=gpb,
         max_task_retries=worker_cfg.max_task_retries,
     )
-    loader = InMemoryDataLoader({}, items=items)
+    loader = loader if loader is not None else InMemoryDataLoader({}, items=items)
     pool = TrajectoryPool(
         TrajectoryPoolConfig(
             batch_size=gpb * worker_cfg.group_size, group_size=worker_cfg.group_size

@@ -7,11 +7,14 @@ messages, render them and the tools with the chat template, generate, parse the 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nexrl.inference.api_models import assistant_message, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine, SamplingParams
 from nexrl.inference.tool_parsers import ToolCallParser, get_parser
+
+logger = logging.getLogger(__name__)
 
 
 async def chat_with_tools(
@@ -28,6 +31,7 @@ async def chat_with_tools(
     `prompt_ids`, `output_ids`, `logprobs`, `versions`, and `parse_failures` (reasons)."""
     parser = get_parser(parser) if isinstance(parser, str) else parser
     checked = chat_messages(messages)
+    warn_if_template_drops(tokenizer, checked, tools)
     prompt = tokenizer.apply_chat_template(
         checked, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -45,3 +49,43 @@ async def chat_with_tools(
         "versions": out.output_versions,
         "parse_failures": [f.reason for f in parsed[2]] if parsed else [],
     }
+
+
+_TEMPLATE_CHECKED: set[tuple[int, str]] = set()  # (id(tokenizer), what) already checked
+
+
+def warn_if_template_drops(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[str]:
+    """Warn (once per tokenizer and kind) when the chat template renders `tools`, or the
+    assistant `tool_calls` of `messages`, to nothing: the model then never sees the tool
+    schemas or its own calls (SmolLM2's template has no place for either). Returns the
+    warnings made now. Called by the server, the proxy and the token tracker."""
+    made = []
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    checks = []
+    if tools:
+        checks.append(("tools", messages, {"tools": None}, "the `tools` schemas"))
+    if any(m.get("role") == "assistant" and m.get("tool_calls") for m in messages):
+        bare = [
+            {k: v for k, v in m.items() if k != "tool_calls"} if m.get("role") == "assistant" else m
+            for m in messages
+        ]
+        checks.append(("tool_calls", bare, {}, "assistant `tool_calls`"))
+    for kind, other, override, what in checks:
+        key = (id(tokenizer), kind)
+        if key in _TEMPLATE_CHECKED:
+            continue
+        _TEMPLATE_CHECKED.add(key)
+        with_it = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False)
+        kwargs = {"tools": tools or None, **override}
+        without = tokenizer.apply_chat_template(other, tokenize=False, **kwargs)
+        if with_it == without:
+            message = (
+                f"the chat template of {name} renders {what} to nothing: the model never sees "
+                "them; use a model whose template supports tools (or write the tools into "
+                "the system prompt)"
+            )
+            logger.warning(message)
+            made.append(message)
+    return made

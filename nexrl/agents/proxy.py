@@ -20,17 +20,19 @@ are rendered by the chat template and the reply's calls come back as OpenAI `too
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
+from nexrl.agents.chat import warn_if_template_drops
 from nexrl.inference.api_models import ChatRequest, chat_body, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine
 from nexrl.inference.tool_parsers import get_parser
@@ -131,6 +133,7 @@ class RecordingProxy:
 
     async def _chat(self, sid: str, body: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(body.messages)
+        warn_if_template_drops(self.tokenizer, messages, body.tools)
         prompt = self.tokenizer.apply_chat_template(
             messages, tools=body.tools or None, add_generation_prompt=True, tokenize=True
         )
@@ -217,6 +220,7 @@ class ProxyServer:
 
 
 AgentFn = Callable[[str, str, dict[str, Any]], "float | None"]
+AsyncAgentFn = Callable[[str, str, dict[str, Any]], Awaitable["float | None"]]
 
 
 class OpenAIAgentWorkflow(RolloutWorkflow):
@@ -226,11 +230,30 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     episode when it did not). Each completion becomes one trajectory; the engine is the one
     `arun_episode` gets, so inside the pipeline weight sync and versions apply."""
 
-    def __init__(self, agent: AgentFn | str, parser: str = "hermes", api_key: str = "nexrl"):
+    def __init__(
+        self, agent: AgentFn | AsyncAgentFn | str, parser: str = "hermes", api_key: str = "nexrl"
+    ):
         self.agent = import_object(agent) if isinstance(agent, str) else agent
         self.parser, self.api_key = parser, api_key
         self._server: ProxyServer | None = None
         self._lock = threading.Lock()
+
+    async def _call_agent(self, url: str, data: dict[str, Any]) -> float | None:
+        """An `async def` agent is awaited on the episode's loop (e.g. `openai.AsyncOpenAI`);
+        a plain function runs in a thread, and an awaitable it returns is awaited."""
+        if _is_async(self.agent):
+            return await self.agent(url, self.api_key, data)
+        reward = await asyncio.to_thread(self.agent, url, self.api_key, data)
+        if inspect.isawaitable(reward):
+            reward = await reward
+        return reward
+
+    async def aclose(self) -> None:
+        """The workflow's close hook: stop the proxy server."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(server.stop)
 
     def _proxy(self, engine: InferenceEngine) -> ProxyServer:
         with self._lock:
@@ -246,10 +269,16 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         server.proxy.session(sid).engine = engine
         url = RecordingProxy.base_url(server.url, sid)
         try:
-            reward = await asyncio.to_thread(self.agent, url, self.api_key, dict(data))
+            reward = await self._call_agent(url, dict(data))
             session = server.proxy.sessions[sid]
             if reward is None and session.reward is None:
                 return None
             return server.proxy.trajectories(sid, reward=reward)
         finally:
             server.proxy.sessions.pop(sid, None)
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 (an object with `async def __call__`)
+    )

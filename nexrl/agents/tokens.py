@@ -42,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from nexrl.agents.chat import warn_if_template_drops
+
 
 class TemplateMismatchError(ValueError):
     """The chat template's rendering of the history does not extend the ids so far."""
@@ -235,6 +237,7 @@ class MultiTurnTokens:
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """The template's ids for `messages` followed by the assistant generation prompt."""
+        warn_if_template_drops(self.tokenizer, messages, self.tools)
         ids = self.tokenizer.apply_chat_template(
             messages,
             tools=self.tools,

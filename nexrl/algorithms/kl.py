@@ -10,9 +10,15 @@ per token:
 KL enters training in one of two places: as a loss term (`kl_coef` in
 `objective.compute_loss`) or as a reward penalty (`apply_kl_penalty`, applied
 before advantage estimation, as in PPO / REINFORCE++).
+
+The reference is the initial policy unless told otherwise (as in verl and TRL):
+`reference_model_path` gives `model_path` when a run uses KL and sets no
+`train_worker.engine.ref_model_path`, so a KL run needs no extra key.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -89,3 +95,18 @@ def apply_kl_penalty(
             f"rewards must be (N,) or (N, T) = {tuple(kl.shape)}, got {tuple(rewards.shape)}"
         )
     return penalised, {"kl_penalty_seq_mean": seq_kl.mean() if len(seq_kl) else seq_kl.sum()}
+
+
+def uses_kl(cfg: Any) -> bool:
+    """The run reads reference logprobs: a KL reward penalty or a KL loss term."""
+    loss_kwargs = cfg.algorithm.get("loss_kwargs") or {}
+    return cfg.algorithm.kl_in_reward_coef > 0 or float(loss_kwargs.get("kl_coef", 0) or 0) > 0
+
+
+def reference_model_path(cfg: Any) -> str | None:
+    """`train_worker.engine.ref_model_path`, or the initial policy (`model_path`) when the
+    run uses KL and names no reference; None: no reference model is loaded."""
+    given = cfg.train_worker.engine.get("ref_model_path")
+    if given:
+        return str(given)
+    return str(cfg.model_path) if uses_kl(cfg) else None

@@ -176,10 +176,46 @@ def async_metrics(columns: Columns, metadata: dict[str, Any]) -> dict[str, float
     }
 
 
+_TRUNCATED_WARN_FRAC = 0.5
+_truncation_warned = False
+
+
+def warn_if_truncated(columns: Columns, max_tokens: int) -> bool:
+    """Warn (once per process) when most completions of a batch hit `max_tokens`: the
+    policy is then trained on cut-off answers, usually a `max_tokens` meant for another
+    task (the built-in task's 4). True when it warned now."""
+    global _truncation_warned
+    reasons = _column(columns, "finish_reason")
+    frac = sum(r == "length" for r in reasons) / max(1, len(reasons))
+    if _truncation_warned or frac <= _TRUNCATED_WARN_FRAC:
+        return False
+    _truncation_warned = True
+    logger.warning(
+        "%.0f%% of this batch's completions were cut off at rollout_worker.max_tokens=%d; "
+        "raise it to fit your task's answers (the metric response/truncated_frac tracks it)",
+        100 * frac,
+        max_tokens,
+    )
+    return True
+
+
 def min_token_versions(columns: Columns) -> list[int]:
-    """Per sample, the oldest weight version that sampled one of its tokens."""
-    model = columns["model_version"]
-    return [min(v or [m]) for v, m in zip(_column(columns, "token_versions"), model, strict=True)]
+    """Per sample, the oldest weight version that sampled one of its tokens (0 when the
+    sample carries no version at all)."""
+    model = columns.get("model_version") or [None] * _size(columns)
+    return [
+        min(v or [0 if m is None else m])
+        for v, m in zip(_column(columns, "token_versions"), model, strict=True)
+    ]
+
+
+def source_metadata(batch: Batch) -> dict[str, Any]:
+    """What the train worker reads from a train batch's metadata, from the pool batch."""
+    return {
+        "model_tag": batch.metadata.get("model_tag", DEFAULT_MODEL_TAG),
+        "min_token_versions": min_token_versions(batch.values),
+        "uids": list(batch.values.get("uid") or []),
+    }
 
 
 def first_rows(columns: Columns, n: int) -> list[Trajectory]:
@@ -194,6 +230,9 @@ class ProcessorContext:
     batch_size: int
     max_tokens: int
     pad_token_id: int
+    warn_truncated: bool = True
+    """Warn when most completions hit `max_tokens` (off on the built-in task, whose
+    4-letter answers are cut at 4 tokens by design)."""
 
 
 class BaseAlgorithmProcessor(LoopModule):
@@ -212,6 +251,7 @@ class BaseAlgorithmProcessor(LoopModule):
         self._trajectory_pool: TrajectoryPoolLike | None = None
         self._train_batch_pool: TrainBatchPoolLike | None = None
         self._train_worker: TrainWorkerLike | None = None
+        self._source: Batch | None = None  # the pool batch `_fit` is processing
         self._loop = LoopThread("algorithm-processor", self._loop_once)
 
     def set_module_references(
@@ -229,6 +269,7 @@ class BaseAlgorithmProcessor(LoopModule):
         batch = self._get_batch(self._context.batch_size)
         if batch is None:
             return False
+        self._source = batch
         with self._activity_tracker.track(self._module_name, "process batch"):
             self._fit(batch, "train")
         return True
@@ -237,6 +278,13 @@ class BaseAlgorithmProcessor(LoopModule):
         return execute(self._trajectory_pool.get_batch, batch_size, wait_s=BLOCKING_GET_WAIT_S)
 
     def _put_batch(self, batch: Batch, update_fn: str) -> bool:
+        """Hand a train batch on. Metadata the train worker reads and a `_fit` written as in
+        seed 000 does not set (`model_tag`, `min_token_versions`, `uids`) is taken from the
+        pool batch being processed."""
+        source = self._source
+        if source is not None:
+            for key, value in source_metadata(source).items():
+                batch.metadata.setdefault(key, value)
         return execute(self._train_batch_pool.put_batch, batch, update_fn)
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
@@ -274,8 +322,9 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             ref = execute(self._train_worker.compute_ref_logprobs, Batch(dict(values)))
             if ref is None:
                 raise ValueError(
-                    "algorithm.kl_in_reward_coef > 0 needs "
-                    "train_worker.engine.ref_model_path (a reference model)"
+                    "algorithm.kl_in_reward_coef > 0 but the train engine has no reference "
+                    "model: set train_worker.engine.ref_model_path (a run resolved by "
+                    "nexrl.run_setup defaults it to model_path)"
                 )
             values["ref_logprobs"] = ref
             rewards, kl = apply_kl_penalty(
@@ -299,6 +348,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         values["advantages"] = self._estimator(
             rewards, group_index(columns["uid"]), values["loss_mask"], **self._estimator_kwargs
         )
+        if self._context.warn_truncated:
+            warn_if_truncated(columns, self._context.max_tokens)
         metadata = {
             **batch.metadata,
             "model_tag": batch.metadata.get("model_tag", DEFAULT_MODEL_TAG),

@@ -72,6 +72,12 @@ def validate_choices(cfg: DictConfig) -> None:
     for key in ("rollout_worker.num_workers", "train_worker.num_workers", "validate.concurrency"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 1")
+    if cfg.train_worker.num_workers > 1:
+        raise ConfigError(
+            f"train_worker.num_workers={cfg.train_worker.num_workers}: a run has one train "
+            "worker (one optimizer); for data-parallel training start it with torchrun "
+            "(WORLD_SIZE, train_worker.engine.dp_strategy) or set ray.train_ranks"
+        )
     if cfg.trajectory_pool.batch_size % max(cfg.trajectory_pool.group_size, 1):
         raise ConfigError(
             f"trajectory_pool.batch_size={cfg.trajectory_pool.batch_size} must be a multiple of "

@@ -124,8 +124,8 @@ class AlgorithmConfig:
     """DAPO: no loss on responses cut off by `max_tokens`."""
     kl_in_reward_coef: float = 0.0
     """KL penalty in the reward, `reward - coef * KL(policy || reference)` per sequence
-    (needs `train_worker.engine.ref_model_path`); 0: off. For KL as a loss term use
-    `loss_kwargs.kl_coef`."""
+    (the reference: `train_worker.engine.ref_model_path`, default the initial policy);
+    0: off. For KL as a loss term use `loss_kwargs.kl_coef`."""
     kl_in_reward_estimator: str = "k1"
     """KL estimator of the reward penalty: k1, k2 or k3."""
 
@@ -143,7 +143,8 @@ class TrainWorkerConfig:
     type: str = "default"
     """Worker type."""
     num_workers: int = 1
-    """Train workers (data-parallel ranks are the engine's business)."""
+    """Train workers: 1 (one optimizer per run; data-parallel ranks are the engine's
+    business: torchrun or `ray.train_ranks`). Other values are refused at start."""
     total_train_steps: int = 500
     """Stop after this many optimizer steps."""
     save_freq: int = 100
@@ -358,6 +359,9 @@ class HealthCheckConfig:
 class RuntimeMonitorConfig:
     exception_handling: ExceptionHandlingConfig = field(default_factory=ExceptionHandlingConfig)
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    stall_report_s: float = 60.0
+    """Seconds without a train step before the run logs what it waits for (the pool's
+    groups, trajectories against expected, busy workers, the last error); 0: never."""
 
 
 @dataclass

@@ -9,14 +9,24 @@ even when the fresh stream is infinite (a training loader cycling epochs):
 
 Subclasses supply the fresh stream through three hooks (`_next_fresh`,
 `_fresh_remaining`, `_reset_fresh`); all locking lives here.
+
+The queue holds `Task`s only: a row given back as a dict becomes a Task (a Task
+reads like its row: `item["prompt"]`, `item.get(...)`).
+
+A loader written to seed 000's contract overrides `get_next_item`, `is_finished`,
+`__len__` and `reset` itself and keeps the inherited `add_item_*`. Its overrides are
+wrapped (`__init_subclass__`) so that tasks given back are still served first and
+counted: the run's retries never vanish into a queue the subclass never reads.
+A subclass that overrides `add_item_front` too owns its queue, and is left alone.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -57,15 +67,78 @@ def item_from_state(state: Mapping[str, Any]) -> dict[str, Any] | Task:
     )
 
 
+def _queue(loader: BaseDataLoader) -> deque[Task]:
+    """The loader's given-back queue (made here when a subclass skipped `__init__`)."""
+    if "_returned" not in loader.__dict__:
+        loader._lock = threading.RLock()
+        loader._returned = deque()
+    return loader._returned
+
+
+def _served_first(get_next: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(get_next)
+    def get_next_item(self: BaseDataLoader) -> Any:
+        queue = _queue(self)
+        with self._lock:
+            if queue:
+                return queue.popleft()
+        return get_next(self)
+
+    return get_next_item
+
+
+def _finished_when_empty(finished: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    @functools.wraps(finished)
+    def is_finished(self: BaseDataLoader) -> bool:
+        return not _queue(self) and finished(self)
+
+    return is_finished
+
+
+def _counted(length: Callable[[Any], int]) -> Callable[[Any], int]:
+    @functools.wraps(length)
+    def __len__(self: BaseDataLoader) -> int:
+        return len(_queue(self)) + length(self)
+
+    return __len__
+
+
+def _cleared(reset: Callable[[Any], None]) -> Callable[[Any], None]:
+    @functools.wraps(reset)
+    def do_reset(self: BaseDataLoader) -> None:
+        _queue(self).clear()
+        reset(self)
+
+    return do_reset
+
+
+_WRAPS = {
+    "get_next_item": _served_first,
+    "is_finished": _finished_when_empty,
+    "__len__": _counted,
+    "reset": _cleared,
+}
+
+
 class BaseDataLoader(NexRLModule):
-    """Serves task dicts: returned items first, then the subclass's fresh stream."""
+    """Serves tasks: returned items first, then the subclass's fresh stream."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A seed-000 loader's own `get_next_item` / `is_finished` / `__len__` / `reset`
+        still serve and count the given-back queue (see the module docstring)."""
+        super().__init_subclass__(**kwargs)
+        if "add_item_front" in cls.__dict__:
+            return  # the subclass keeps its own queue
+        for name, wrap in _WRAPS.items():
+            if name in cls.__dict__:
+                setattr(cls, name, wrap(cls.__dict__[name]))
 
     def __init__(self, config: Mapping[str, Any] | None = None, is_validate: bool = False) -> None:
         super().__init__()
         self._config = config if config is not None else {}
         self._is_validate = is_validate
         self._lock = threading.RLock()
-        self._returned: deque[dict[str, Any]] = deque()
+        self._returned: deque[Task] = deque()
 
     # ---- hooks for subclasses (called with the lock held) -----------------
     def _next_fresh(self) -> dict[str, Any] | None:
@@ -121,51 +194,74 @@ class BaseDataLoader(NexRLModule):
         """Same as `add_item_back`."""
         self.add_item_back(item)
 
-    def add_item_front(self, item: dict[str, Any]) -> None:
+    def add_item_front(self, item: dict[str, Any] | Task) -> None:
         """Give an item back; it is served next."""
+        task = self._as_task(item)
         with self._lock:
-            self._returned.appendleft(item)
+            _queue(self).appendleft(task)
 
-    def add_item_back(self, item: dict[str, Any]) -> None:
+    def add_item_back(self, item: dict[str, Any] | Task) -> None:
         """Give an item back; it is served after the other returned items, before fresh data."""
+        task = self._as_task(item)
         with self._lock:
-            self._returned.append(item)
+            _queue(self).append(task)
 
-    def returned_items(self) -> list[dict[str, Any] | Task]:
+    def _as_task(self, item: dict[str, Any] | Task) -> Task:
+        if isinstance(item, Task):
+            return item
+        return Task(data=dict(item), is_validate=getattr(self, "_is_validate", False))
+
+    def returned_items(self) -> list[Task]:
         """A copy of the queued returned items (front first)."""
         with self._lock:
-            return copy.deepcopy(list(self._returned))
+            return copy.deepcopy(list(_queue(self)))
 
     def returned_state(self) -> list[dict[str, Any]]:
         """The queued returned items as JSON (`item_to_state`), for checkpoints: a re-queued
         `Task` must survive `json.dumps`."""
         with self._lock:
-            return [item_to_state(item) for item in self._returned]
+            return [item_to_state(item) for item in _queue(self)]
 
     def _restore_returned(self, items: list[Mapping[str, Any]]) -> None:
         with self._lock:
-            self._returned = deque(item_from_state(item) for item in items)
+            self._returned = deque(map(self._as_task, map(item_from_state, items)))
 
 
 class InMemoryDataLoader(BaseDataLoader):
     """A loader over a list of dicts (config key `items`), one pass per `reset`.
 
     For tests and small programmatic tasks; rows get `index` and `uid` like the
-    HF loader's (uid = "<index>" since there is one epoch).
+    HF loader's (uid = "<index>" since there is one epoch). Built from the `data`
+    section (`data.type=memory` or `mock`, which has no `items`), it holds the rows
+    of `data.path` (the built-in task's file when no path is set) in memory.
     """
 
     def __init__(
         self,
-        config: Mapping[str, Any] | None = None,
+        config: Any = None,
         is_validate: bool = False,
         items: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(config, is_validate)
-        rows = items if items is not None else self._config.get("items", None) or []
+        rows = items if items is not None else self._config_rows()
         if OmegaConf.is_config(rows):
             rows = OmegaConf.to_container(rows, resolve=True)
         self._rows = [dict(r) for r in rows]
         self._pos = 0
+
+    def _config_rows(self) -> Any:
+        config = self._config
+        if isinstance(config, Mapping) or OmegaConf.is_dict(config):
+            rows = config.get("items", None)
+            path = config.get("path", None)
+        else:  # the typed `data` section
+            rows, path = getattr(config, "items", None), getattr(config, "path", None)
+        if rows or path is None:
+            return rows or []
+        from nexrl.data.hf import load_hf_dataset
+
+        split = getattr(config, "split", None) or "train"
+        return list(load_hf_dataset(str(path), split))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return {**self._rows[index], "index": index, "uid": f"0-{index}"}

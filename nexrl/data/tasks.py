@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import string
@@ -148,3 +149,29 @@ def write_task(name: str, directory: str | os.PathLike, **kwargs: object) -> tup
     if name not in TASK_WRITERS:
         raise ValueError(f"unknown task {name!r}; valid choices: {', '.join(TASK_WRITERS)}")
     return TASK_WRITERS[name](directory, **kwargs)
+
+
+def is_builtin_data(path: str | os.PathLike | None) -> bool:
+    """Whether `path` is a built-in task's file (written by `write_task` under the cache)."""
+    if path is None:
+        return True
+    from nexrl.models.tiny import cache_dir
+
+    return Path(path).resolve().is_relative_to((cache_dir() / "data").resolve())
+
+
+BUILTIN_MAX_TOKENS = 4  # the built-in task's answers: `rollout_worker.max_tokens`'s default
+
+
+def warn_own_data_defaults(data_path: str | None, max_tokens: int) -> str | None:
+    """The warning (also logged) for own data left with the built-in task's `max_tokens`,
+    which cuts every completion of a real task off after 4 tokens; None: nothing to say."""
+    if is_builtin_data(data_path) or max_tokens != BUILTIN_MAX_TOKENS:
+        return None
+    message = (
+        f"rollout_worker.max_tokens={max_tokens} is the built-in task's value, but data.path "
+        f"is your own data ({data_path}): completions stop after {max_tokens} tokens; set "
+        "rollout_worker.max_tokens to fit your answers"
+    )
+    logging.getLogger("nexrl").warning(message)
+    return message

@@ -7,12 +7,17 @@ onto OpenAI tool schemas (`inputSchema` is a JSON schema). Tool errors
 (`isError`), transport errors and timeouts come back to the model as error
 results, as with `LocalToolingEnv`.
 
-The SDK's client lives in an anyio task scope: open and close the env in the
-same task, best with `async with MCPToolingEnv(...) as env:`.
+The SDK's client lives in an anyio task scope, which must be entered and left in
+one task. The env therefore holds the session in a task of its own: `connect`
+starts that task (on the running loop) and waits until the session is open;
+`aclose` asks it to leave and waits. Episodes on other tasks share the session,
+and any task of the same loop may close it (`async with MCPToolingEnv(...) as
+env:` still works).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from nexrl.envs.base import (
@@ -60,7 +65,9 @@ class MCPToolingEnv:
                 raise ValueError("MCPToolingEnv: the stdio command is empty")
             server = mcp.StdioServerParameters(command=server[0], args=list(server[1:]), env=env)
         self._client = mcp.Client(server)
-        self._open = False
+        self._owner: asyncio.Task[None] | None = None  # holds the session (module docstring)
+        self._opened: asyncio.Future[None] | None = None
+        self._leave: asyncio.Event | None = None
         self.limits = CallLimits(timeout_s, max_output_chars)
         self.metrics = ToolMetrics()
         self.tool_schemas: list[dict[str, Any]] | None = None  # set by `ainitialize`
@@ -92,10 +99,25 @@ class MCPToolingEnv:
         return await aexecute(self, tool_name, tool_args)
 
     async def connect(self) -> MCPToolingEnv:
-        if not self._open:
-            await self._client.__aenter__()
-            self._open = True
+        """Open the session once (in the owner task) and wait until it is open."""
+        if self._owner is None:
+            loop = asyncio.get_running_loop()
+            self._opened, self._leave = loop.create_future(), asyncio.Event()
+            self._owner = loop.create_task(self._hold(), name="mcp-session")
+        await asyncio.shield(self._opened)
         return self
+
+    async def _hold(self) -> None:
+        """The owner task: enter the client, wait for `aclose`, leave in this same task."""
+        try:
+            async with self._client:
+                self._opened.set_result(None)
+                await self._leave.wait()
+        except BaseException as exc:
+            if not self._opened.done():  # the session never opened: the caller gets why
+                self._opened.set_exception(exc)
+            else:
+                raise
 
     async def __aenter__(self) -> MCPToolingEnv:
         return await self.connect()
@@ -134,9 +156,12 @@ class MCPToolingEnv:
         return await guarded_call(name, run, self.limits, self.metrics)
 
     async def aclose(self) -> None:
-        if self._open:
-            self._open = False
-            await self._client.__aexit__(None, None, None)
+        """Close the session (from any task of the loop that opened it)."""
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
+        self._leave.set()
+        await owner
 
 
 def _text(result: Any) -> str:

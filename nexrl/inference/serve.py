@@ -21,7 +21,12 @@ SWITCH_INTERVAL_S = 2e-4
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nexrl serve", description=__doc__)
-    p.add_argument("--model", default=None, help="HF model dir (default: embedded tiny model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="as model_path: an HF dir, a .gguf file, a Hub id or `smollm2` "
+        "(default: the embedded tiny model)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("NEXRL_API_KEY"))
@@ -103,6 +108,29 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--weights-dir: {d!r} is not a directory")
     if args.weights_dir is None and not is_loopback(args.host):
         args.weights_dir = []  # a network-facing server loads weights from nowhere by default
+    if args.model is not None:
+        args.model = model_dir(parser, args.model)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(
+                f"--device {args.device}: this machine has no CUDA GPU "
+                "(torch.cuda.is_available() is False); use --device cpu"
+            )
+
+
+def model_dir(parser: argparse.ArgumentParser, model: str) -> str:
+    """`--model` resolved exactly as `model_path` is (nexrl.models.sources.resolve_model:
+    an HF dir as it is, a GGUF converted once, `smollm2` from its PyPI package, a Hub id
+    from the cache); a bad one is a one-line usage error."""
+    from nexrl.models.sources import resolve_model
+
+    try:
+        return str(resolve_model(model))
+    except (ValueError, FileNotFoundError, ImportError, OSError) as exc:
+        parser.error(f"--model: {exc}")
+        raise  # parser.error exits
 
 
 def main(argv: list[str] | None = None) -> int:

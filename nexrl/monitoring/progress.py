@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich.console import Console
@@ -148,3 +149,87 @@ def _fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class StallReporter:
+    """Says what a run waits for when no train step has ended for `after_s` seconds.
+
+    `observe(step)` is called from the controller's watch loop with the current train
+    step; after `after_s` seconds on one step it logs one warning built by `describe()`
+    (which pool group, how many trajectories against how many expected, which worker is
+    busy on what, the last error), then again every `after_s` seconds while it lasts.
+    `after_s` <= 0 turns it off (`runtime_monitor.stall_report_s`).
+    """
+
+    def __init__(
+        self,
+        after_s: float,
+        describe: Callable[[], str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.after_s = after_s
+        self._describe = describe
+        self._clock = clock
+        self._step: int | None = None
+        self._since = clock()
+        self._reported = self._since
+
+    def observe(self, step: int) -> str | None:
+        """The report made now, if any (None: progress, or not yet time)."""
+        now = self._clock()
+        if step != self._step:
+            self._step, self._since, self._reported = step, now, now
+            return None
+        if self.after_s <= 0 or now - self._reported < self.after_s:
+            return None
+        self._reported = now
+        message = (
+            f"no train step for {now - self._since:.0f}s (at step {step}); waiting for: "
+            f"{self._describe()} (runtime_monitor.stall_report_s={self.after_s:g})"
+        )
+        logging.getLogger("nexrl").warning(message)
+        return message
+
+
+def describe_stall(pool: Any, wsc: Any, tracker: Any, model_tag: str) -> str:
+    """The state a stall report names: the trajectory pool's groups, the task owner's
+    admission, the work in flight (which worker does what) and the last error."""
+    from nexrl.execute import execute
+
+    admission = execute(wsc.get_admission_state, model_tag)
+    running = " ".join(execute(tracker.get_running_status_summary).split())
+    health = execute(tracker.get_error_health_status)
+    return (
+        f"{execute(pool.describe_wait, model_tag)}; admission {admission}; {running}; "
+        f"last error: {health.get('message', 'none')}"
+    )
+
+
+def task_summary(counters: Mapping[str, int]) -> str:
+    """The run's task ledger in one line: every training task handed out was trained,
+    counted failed, dropped (by reason) or not finished when the run ended (generating,
+    in a pool, or back in its loader); re-queues on the way are counted by reason (a
+    re-queued task is served again and ends in one of the other counts)."""
+    dropped = {
+        k.split("/", 1)[1]: v for k, v in counters.items() if k.startswith("groups_dropped/")
+    }
+    requeued = {
+        k.split("/", 2)[2]: v
+        for k, v in counters.items()
+        if k.startswith("rollout/released/") and k != "rollout/released/dynamic_sampling"
+    }
+    staleness = counters.get("staleness/dropped", 0)
+    if staleness:
+        requeued["stale"] = staleness
+
+    def detail(parts: dict[str, int]) -> str:
+        return f" ({', '.join(f'{k} {v}' for k, v in sorted(parts.items()))})" if parts else ""
+
+    handed = counters.get("tasks_in/train", 0)
+    trained, failed = counters.get("tasks_trained", 0), counters.get("tasks_failed/train", 0)
+    left = handed - trained - failed - sum(dropped.values())
+    return (
+        f"tasks: {handed} handed out; {trained} trained, {failed} failed, "
+        f"{sum(dropped.values())} dropped{detail(dropped)}, {left} not finished at the end; "
+        f"{sum(requeued.values())} re-queued on the way{detail(requeued)}"
+    )

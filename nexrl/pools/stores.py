@@ -35,6 +35,8 @@ class TrajectoryStore(Protocol):
 
     def drain_incomplete(self) -> list[Trajectory]: ...
 
+    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]: ...
+
     def ready_groups(self) -> list[list[Trajectory]]:
         """The complete groups, oldest first (a view: do not modify)."""
         ...
@@ -106,6 +108,9 @@ class SimpleTrajectoryStore:
     def drain_incomplete(self) -> list[Trajectory]:
         return []
 
+    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]:
+        return []
+
     def ready_groups(self) -> list[list[Trajectory]]:
         return list(self._ready.groups)
 
@@ -162,8 +167,11 @@ class HierarchicalTrajectoryStore:
                 del nodes[depth - 1][path[depth - 1]]
 
     def add_group(self, trajs: list[Trajectory]) -> None:
+        """One put of one key path with nothing of it held is a whole group, whatever its
+        length (a rollout worker puts a task's episodes together; a multi-turn episode may
+        be several trajectories). Otherwise each trajectory joins its leaf as in `add`."""
         paths = [self._path(traj) for traj in trajs]  # every key checked before any change
-        if len(trajs) == self._group_size and self._fresh_group(paths):
+        if trajs and self._fresh_group(paths):
             self._ready.push(list(trajs))  # the usual put: one whole group, nothing of it here
             return
         for traj, path in zip(trajs, paths, strict=True):
@@ -199,6 +207,19 @@ class HierarchicalTrajectoryStore:
         self._tree.clear()
         self._pending = 0
         self._ready.clear()
+
+    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]:
+        """(key path, trajectories held) of every group still waiting for samples."""
+        out: list[tuple[tuple[Any, ...], int]] = []
+        stack: list[tuple[tuple[Any, ...], Any]] = [((), self._tree)]
+        while stack:
+            path, node = stack.pop()
+            for value, child in node.items():
+                if isinstance(child, list):
+                    out.append(((*path, value), len(child)))
+                else:
+                    stack.append(((*path, value), child))
+        return out
 
     def drain_incomplete(self) -> list[Trajectory]:
         """Remove and return the trajectories of groups that are not complete."""

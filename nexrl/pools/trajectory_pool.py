@@ -21,7 +21,10 @@ are staler than the bound (their tasks are re-queued by the controller; the
 pool only discards their trajectories). The pool never touches a loader's queue
 and needs no lock against weight syncs: admission keeps rollouts within budget.
 
-A group put with `put_trajectory_group` is accepted or refused as a whole.
+A group put with `put_trajectory_group` is accepted or refused as a whole, and
+is complete by definition: a rollout worker puts each task's whole group (every
+episode's trajectories) in one call, so a group is formed by episodes, not by
+counting trajectories. Puts answer `StepResult.SUCCESS` or `StepResult.FAIL`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ from nexrl.monitoring.errors import ErrorSeverity
 from nexrl.pools.stores import make_store
 from nexrl.protocols import DataLoaderLike, TrackerLike, WeightSyncLike
 from nexrl.rollout.admission import BatchPlan, GroupInfo
-from nexrl.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, check_trajectory
+from nexrl.types import (
+    DEFAULT_MODEL_TAG,
+    Batch,
+    ModelTag,
+    StepResult,
+    Trajectory,
+    check_trajectory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +98,24 @@ class TrajectoryPoolInstance:
         self._refs = refs
 
     # ---- puts -------------------------------------------------------------
-    def put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
-        """All or nothing: "success", or "fail" (a malformed trajectory; reported)."""
+    def put_trajectory_group(
+        self, trajectories: list[Trajectory], whole: bool = True
+    ) -> StepResult:
+        """All or nothing: SUCCESS, or FAIL (a malformed trajectory; reported). `whole`: the
+        trajectories are one complete group; else each joins its group (`put_trajectory`)."""
         try:
             for traj in trajectories:
                 check_trajectory(traj)
             with self._lock:
-                self._store.add_group(trajectories)
+                if whole:
+                    self._store.add_group(trajectories)
+                else:
+                    for traj in trajectories:
+                        self._store.add(traj)
         except (KeyError, ValueError) as exc:
             self.report_rejected(str(exc.args[0]), len(trajectories))
-            return "fail"
-        return "success"
+            return StepResult.FAIL
+        return StepResult.SUCCESS
 
     def report_rejected(self, reason: str, n: int) -> None:
         message = f"trajectory pool [{self.model_tag}] rejected {n} trajectories: {reason}"
@@ -220,6 +237,22 @@ class TrajectoryPoolInstance:
         with self._lock:
             return self._store.drain_incomplete()
 
+    def describe_wait(self, shown: int = 3) -> str:
+        """What a batch of this tag waits for, in one line (stall reports)."""
+        with self._lock:
+            ready, groups = self._store.num_ready(), self._store.incomplete_groups()
+        line = (
+            f"pool [{self.model_tag}]: {ready} of {self.batch_size} trajectories ready for a batch"
+        )
+        if groups:
+            parts = [
+                f"{'/'.join(map(str, path))}: {n} of {self.group_size}"
+                for path, n in groups[:shown]
+            ]
+            more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
+            line += f"; {len(groups)} incomplete group(s) ({', '.join(parts)}{more})"
+        return line
+
     def clear(self) -> None:
         with self._lock:
             self._store.clear()
@@ -306,21 +339,26 @@ class TrajectoryPool(NexRLModule):
         return [] if inst is None else [inst]
 
     # ---- puts ---------------------------------------------------------------
-    def put_trajectory(self, trajectory: Trajectory) -> str:
-        """ "success" or "fail" (rejected and reported)."""
-        return self.put_trajectory_group([trajectory])
+    def put_trajectory(self, trajectory: Trajectory) -> StepResult:
+        """One trajectory that joins its group (complete at `group_size`): SUCCESS, or FAIL
+        (rejected and reported)."""
+        return self._put([trajectory], whole=False)
 
-    def put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
-        """Put a whole group atomically (all accepted or none)."""
+    def put_trajectory_group(self, trajectories: list[Trajectory]) -> StepResult:
+        """Put a whole group atomically (all accepted or none); the put is the group, however
+        many trajectories its episodes made (see the module docstring)."""
+        return self._put(trajectories, whole=True)
+
+    def _put(self, trajectories: list[Trajectory], whole: bool) -> StepResult:
         if not trajectories:
-            return "success"
+            return StepResult.SUCCESS
         tags = {t.get("model_tag") or DEFAULT_MODEL_TAG for t in trajectories}
         if len(tags) != 1:
             reason = f"one group has several model tags {sorted(tags)}"
             self._instance(sorted(tags)[0]).report_rejected(reason, len(trajectories))
-            return "fail"
-        result = self._instance(tags.pop()).put_trajectory_group(trajectories)
-        if result == "success":  # wake waiting `get_batch` calls
+            return StepResult.FAIL
+        result = self._instance(tags.pop()).put_trajectory_group(trajectories, whole)
+        if result is StepResult.SUCCESS:  # wake waiting `get_batch` calls
             with self._arrived:
                 self._arrivals += 1
                 self._arrived.notify_all()
@@ -380,3 +418,9 @@ class TrajectoryPool(NexRLModule):
     def clear(self, model_tag: ModelTag | None = None) -> None:
         for inst in self._selected(model_tag):
             inst.clear()
+
+    def describe_wait(self, model_tag: ModelTag | None = None) -> str:
+        """One line per tag: trajectories ready against the batch size, incomplete groups
+        with how many trajectories each holds against `group_size` (stall reports)."""
+        lines = [inst.describe_wait() for inst in self._selected(model_tag)]
+        return "; ".join(lines) if lines else "pool: no trajectory has arrived yet"

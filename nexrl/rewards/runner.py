@@ -42,6 +42,7 @@ import concurrent.futures
 import inspect
 import multiprocessing
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -476,7 +477,23 @@ class _InOrderJob:
 
 
 def _exception(exc: BaseException) -> RewardOutcome:
-    return RewardOutcome(None, error="exception", detail=f"{type(exc).__name__}: {exc}")
+    detail = f"{type(exc).__name__}: {exc}{_where(exc)}"
+    return RewardOutcome(None, error="exception", detail=detail)
+
+
+def _where(exc: BaseException) -> str:
+    """` (at file:line in function)` of the innermost frame that raised `exc` (a reward
+    run in a worker process carries its traceback as text in `__cause__`)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', str(exc.__cause__ or ""))
+    if frames:
+        return f" (at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]})"
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f" (at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
 
 
 def _cancel_if_cancelled(

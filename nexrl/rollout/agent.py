@@ -46,8 +46,8 @@ from nexrl.inference.protocol import (
 )
 from nexrl.registry import import_object
 from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
-from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories
-from nexrl.types import StepResult, Trajectory
+from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories, close_workflow
+from nexrl.types import StepResult, Task, Trajectory
 
 DEFAULT_WORKFLOW = "nexrl.agents.workflows:ToolWorkflow"
 _PUSH_POLL_S = 0.001
@@ -225,32 +225,29 @@ class AgentRolloutWorker(BaseRolloutWorker):
             executor=self._episode_loop().executor,
         )
 
-    def step(self, task: dict[str, Any]) -> StepResult | str:
-        current = self.current_task
-        validate = current is not None and current.is_validate
+    def step(self, task: Task) -> StepResult:
+        validate = task.is_validate
         n = 1 if validate else self._config.group_size
-        episodes = self._episode_loop().run(self._run_group(task, n, self.engine(validate)))
-        if any(e is None for e in episodes):
+        episodes = self._episode_loop().run(self._run_group(task.data, n, self.engine(validate)))
+        if any(not e for e in episodes):  # an episode answered None (or nothing): rejected
             return StepResult.DROPPED
         group = [t for e in episodes for t in e]
-        if not group:
-            return StepResult.DROPPED
         if any(t.get("finish_reason") == "abort" for t in group):
-            if current is not None:
-                current.aborts += 1
+            task.aborts += 1
             self._activity_tracker.increment("rollout/aborted_groups")
             return StepResult.ABORTED
         for t in group:
             t.setdefault("model_tag", self._model_tag())
             t.setdefault("loss_mask", [1] * len(t.get("response_ids") or []))
-        return self._put_trajectory_group(group)
+        return self._put_episodes(episodes)
 
     async def _run_group(
         self, row: dict[str, Any], n: int, engine: ClientEngine
     ) -> list[list[Trajectory] | None]:
+        version = engine.version
         runs = [self.workflow.arun_episode(engine, dict(row)) for _ in range(n)]
         results = await asyncio.gather(*runs)
-        return [as_trajectories(r, engine.tokenizer) for r in results]
+        return [as_trajectories(r, engine.tokenizer, version) for r in results]
 
     def _episode_loop(self) -> EventLoopThread:
         """The worker's event loop (made on first use). Its executor has a thread for
@@ -263,11 +260,16 @@ class AgentRolloutWorker(BaseRolloutWorker):
             return self._episodes
 
     def stop(self) -> None:
+        """Stop the loop, close the workflow on its episodes' loop (its close hook), then
+        stop that loop."""
         super().stop()
         with self._episodes_lock:
-            if self._episodes is not None:
-                self._episodes.close()
-                self._episodes = None
+            episodes, self._episodes = self._episodes, None
+        if episodes is not None:
+            try:
+                episodes.run(close_workflow(self.workflow))
+            finally:
+                episodes.close()
 
     def _block_until_pushed(self) -> None:
         wsc, tag = self._weight_sync_controller, self._model_tag()

@@ -1,20 +1,35 @@
 """Rollout workers: take a task, produce trajectories, hand them on.
 
-`BaseRolloutWorker` owns the loop; subclasses implement `step(task)` only,
-where `task` is the loader's row (a dict) and the answer a `StepResult` (or
-its string, or None for "failed before a trajectory existed", as in seed 000).
-The loop never routes a task itself: it gets tasks from the weight-sync
-controller (`acquire_task`, which applies admission) and gives every task back
-with the step's result (`complete_task`), which re-queues, retries, counts or
-defers it (nexrl/rollout/admission.py). An exception inside `step` is reported
-through the activity tracker and counts as FAIL, so no task is silently lost.
+`BaseRolloutWorker` owns the loop; subclasses implement `step(task)` only, where
+`task` is the `Task` (it reads like the loader's row: `task["prompt"]`,
+`task.get(...)`, `"prompt" in task`; the row itself is `task.data`) and the answer
+a `StepResult` (or its string, or None for "failed before a trajectory existed",
+as in seed 000). The loop never routes a task itself: it gets tasks from the
+weight-sync controller (`acquire_task`, which applies admission) and gives every
+task back with the step's result (`complete_task`), which re-queues, retries,
+counts or defers it (nexrl/rollout/admission.py). An exception inside `step` is
+reported through the activity tracker and counts as FAIL, so no task is lost.
 
-Trajectories are completed before they are handed on (`_put_trajectory*`):
-`uid`, `task_id` and `model_tag` come from the current task and client; a
-trajectory written as in the seed's custom-worker example (prompt and response
-text only) gets its token ids, logprobs and versions from the client result
-whose response it carries, and its reward from `reward_fn` when it has none.
-A trajectory still missing a required key raises an error that names it.
+Groups are formed by episode. A training task's trajectories are collected while
+`step` runs and go to the pool as one group when it returns SUCCESS:
+
+- `_put_trajectory_group(trajs)`: each trajectory is one episode (a single-turn group);
+- `_put_episodes([[...], ...])`: one list per episode (a multi-turn episode may be
+  several trajectories);
+- `_put_trajectory(traj)`: one episode, as in seed 000's custom worker. A step that
+  puts fewer than `rollout_worker.group_size` episodes is called again for the same
+  task until the group is complete, so a worker that returns one trajectory per step
+  trains under any `group_size`.
+
+More episodes than `group_size`, or SUCCESS with nothing put, is an error naming
+the worker and the task (the task is retried, then counted failed), never a wait.
+
+Trajectories are completed before they are handed on: `uid`, `task_id` and
+`model_tag` come from the current task and client; a trajectory written as in the
+seed's custom-worker example (prompt and response text only) gets its token ids,
+logprobs and versions from the client result it came from (the very `response`
+object, not equal text), and its reward from `reward_fn` when it has none. A
+trajectory still missing a required key raises an error that names it.
 """
 
 from __future__ import annotations
@@ -117,6 +132,7 @@ class BaseRolloutWorker(LoopModule):
             )
         )
         self._is_running_validate = False
+        self._unk_warned = False
         self._per_thread = threading.local()  # `current_task`, one per running step
         self._helpers: HelperThreads | None = None  # validation tasks side by side
         self._trajectory_pool: TrajectoryPoolLike | None = None
@@ -201,14 +217,49 @@ class BaseRolloutWorker(LoopModule):
         tracker = self._activity_tracker
         with tracker.track(self._module_name, "rollout", auto_report_errors=False):
             try:
-                result = StepResult.of(self.step(task.data))
+                result = self._run_steps(task)
             except Exception as exc:  # reported, then the task owner retries or counts it
                 tracker.report_exception(self._module_name, "rollout step", exc)
                 result = StepResult.FAIL
+            finally:
+                self._per_thread.episodes = None
             execute(self._weight_sync_controller.complete_task, self._model_tag(), task, result)
 
-    def step(self, task: dict[str, Any]) -> StepResult | str | None:
-        """Turn one task row into trajectories and hand them on (see module docstring)."""
+    def _run_steps(self, task: Task) -> StepResult:
+        """`step` until the task's group is complete, then the group into the pool."""
+        need = self._config.group_size
+        episodes: list[list[Trajectory]] = []
+        self._per_thread.episodes = episodes
+        for _ in range(need):
+            before = len(episodes)
+            result = StepResult.of(self.step(task))
+            if result is not StepResult.SUCCESS or task.is_validate:
+                return result
+            if len(episodes) == before or len(episodes) >= need:
+                break
+        return self._put_group(task, episodes, need)
+
+    def _put_group(self, task: Task, episodes: list[list[Trajectory]], need: int) -> StepResult:
+        where = f"{type(self).__name__}.step on task {task.uid!r}"
+        if not episodes:
+            raise GroupSizeError(
+                f"{where} returned success but put no trajectory: hand them on with "
+                "self._put_trajectory / self._put_trajectory_group, or return 'fail'"
+            )
+        if len(episodes) != need:
+            raise GroupSizeError(
+                f"{where} put {len(episodes)} episodes but rollout_worker.group_size={need}: "
+                f"put one group of {need} per task (self._put_trajectory_group), or one "
+                f"trajectory per step call (self._put_trajectory; step is then called {need} "
+                "times), or set rollout_worker.group_size"
+            )
+        group = [t for episode in episodes for t in episode]
+        for t in group:
+            check_trajectory(t)
+        return StepResult.of(execute(self._trajectory_pool.put_trajectory_group, group))
+
+    def step(self, task: Task) -> StepResult | str | None:
+        """Turn one task into trajectories and hand them on (see module docstring)."""
         raise NotImplementedError
 
     def _model_tag(self) -> str:
@@ -232,20 +283,32 @@ class BaseRolloutWorker(LoopModule):
         execute(self._weight_sync_controller.requeue_task, task)
         return True
 
-    def _put_trajectory(self, trajectory: Trajectory) -> str:
-        return self._put_trajectory_group([trajectory])
+    def _put_trajectory(self, trajectory: Trajectory) -> StepResult:
+        """Hand on one trajectory as one episode of the task's group (seed 000)."""
+        return self._put_episodes([[trajectory]])
 
-    def _put_trajectory_group(self, trajectories: list[Trajectory]) -> str:
-        """Hand a whole group on atomically; validation tasks go to the validator."""
+    def _put_trajectory_group(self, trajectories: list[Trajectory]) -> StepResult:
+        """Hand on single-turn episodes, one trajectory each (the whole group at once)."""
+        return self._put_episodes([[t] for t in trajectories])
+
+    def _put_episodes(self, episodes: list[list[Trajectory]]) -> StepResult:
+        """Hand on episodes (a list of trajectories each). Training groups go to the pool
+        as one unit once the step is done; validation trajectories go to the validator."""
         task, tag = self.current_task, self._model_tag()
-        group = [self._complete_trajectory(t, task, tag) for t in trajectories]
+        done = [[self._complete_trajectory(t, task, tag) for t in e] for e in episodes]
         if task is not None and task.is_validate:
+            for episode in done:
+                for t in episode:
+                    execute(self._validator.put_trajectory, t)
+            return StepResult.SUCCESS
+        collected = getattr(self._per_thread, "episodes", None)
+        if collected is None:  # outside a task's step (a direct call): straight to the pool
+            group = [t for e in done for t in e]
             for t in group:
-                execute(self._validator.put_trajectory, t)
-            return StepResult.SUCCESS.value
-        for t in group:
-            check_trajectory(t)
-        return execute(self._trajectory_pool.put_trajectory_group, group)
+                check_trajectory(t)
+            return StepResult.of(execute(self._trajectory_pool.put_trajectory_group, group))
+        collected.extend(done)
+        return StepResult.SUCCESS
 
     def _complete_trajectory(
         self, trajectory: Trajectory, task: Task | None, tag: str
@@ -264,11 +327,30 @@ class BaseRolloutWorker(LoopModule):
             traj["reward"] = self.score(task.data, traj)
         return traj
 
+    def warn_unknown_tokens(self, prompt_ids: list[int], task: Task) -> bool:
+        """Warn once per worker when the tokenizer turned part of a prompt into its unknown
+        token (user text the model cannot see: the built-in tiny model's tokenizer knows
+        58 characters). True when it warned now."""
+        unk = getattr(getattr(self._llm_client, "tokenizer", None), "unk_token_id", None)
+        if self._unk_warned or unk is None or unk not in prompt_ids:
+            return False
+        self._unk_warned = True
+        logger.warning(
+            "task %r: the tokenizer maps %d prompt token(s) to its unknown token, so the model "
+            "never sees that text; set model_path to a model whose tokenizer covers your data",
+            task.uid,
+            prompt_ids.count(unk),
+        )
+        return True
+
     def _fill_from_client(self, traj: Trajectory) -> None:
-        """Token ids, logprobs and versions of the client sample whose text `traj` carries."""
+        """Token ids, logprobs and versions of the client sample whose `response` object
+        `traj` carries. Identity, not equal text: two episodes that end in the same words
+        are different samples with different token ids."""
         recent = getattr(self._llm_client, "recent_samples", None)
+        response = traj.get("response")
         for sample in reversed(recent() if recent is not None else []):
-            if sample.get("response") == traj.get("response"):
+            if sample.get("response") is response:
                 for key in (*_TOKEN_KEYS, *_VERSION_KEYS):
                     if traj.get(key) is None:
                         traj[key] = sample.get(key)
@@ -330,6 +412,10 @@ class BaseRolloutWorker(LoopModule):
             self._helpers = None
         if self._rewards is not None:
             self._rewards.close()
+
+
+class GroupSizeError(ValueError):
+    """A step put a number of episodes other than its group's size (see module docstring)."""
 
 
 class RewardFailed(RuntimeError):

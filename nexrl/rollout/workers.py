@@ -118,6 +118,8 @@ class GroupSampler:
             choices = [dict(c) for c in saved]
         else:
             choices = split_choices(self.first_request(prompt, kwargs))
+            if choices:
+                worker.warn_unknown_tokens(choices[0].get("prompt_ids") or [], task)
         while aborted(choices):
             if not saved:  # a restored partial was counted when it was aborted
                 task.aborts += 1
@@ -158,20 +160,20 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     def _prompt(self, row: dict[str, Any]) -> Prompt:
         return chat_prompt(row, self._context.prompt_key, self._context.system_prompt)
 
-    def step(self, task: dict[str, Any]) -> StepResult | str:
-        current = self.current_task
-        choices = self.sampler.sample(current, self._prompt(task))
+    def step(self, task: Task) -> StepResult:
+        row = task.data
+        choices = self.sampler.sample(task, self._prompt(row))
         if isinstance(choices, StepResult):
             return choices
         tag = self._model_tag()
         scored = self._reward_fn is not None
-        rewards = self.score_group(task, choices) if scored else [None] * len(choices)
+        rewards = self.score_group(row, choices) if scored else [None] * len(choices)
         group = []
         for c, reward in zip(choices, rewards, strict=True):
-            traj = make_trajectory(task, c, reward, tag)
+            traj = make_trajectory(row, c, reward, tag)
             if c.get("scores"):
                 traj["scores"] = c["scores"]
-            traj["rollout_aborts"] = current.aborts
+            traj["rollout_aborts"] = task.aborts
             traj["continuations"] = int(c.get("continuations", 0))
             group.append(traj)
         if self._drop_uninformative(group):

@@ -21,6 +21,7 @@ Names that differ from the seed: the request is nexrl's `GenerationRequest`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 import time
@@ -43,11 +44,29 @@ EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
 
 
 class RolloutWorkflow(ABC):
-    """One episode of interaction with the policy (subclass and implement `arun_episode`)."""
+    """One episode of interaction with the policy (subclass and implement `arun_episode`).
+
+    `aclose` is the close hook: the runner (the agent rollout worker at its stop, the
+    `WorkflowExecutor` at `shutdown`) awaits it once, on the event loop the episodes ran
+    on, so that what the workflow opened there (an MCP session, an HTTP client, a proxy
+    server) is closed by the loop that owns it instead of leaking until exit."""
 
     @abstractmethod
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> EpisodeResult:
         """Run one episode for the data row; None rejects it (nothing is trained)."""
+
+    async def aclose(self) -> None:  # noqa: B027 (a hook: overriding it is optional)
+        """Release what the episodes opened (default: nothing)."""
+
+
+async def close_workflow(workflow: Any) -> None:
+    """Await a workflow's close hook; a workflow written without the base class (seed 004
+    shows plain classes) may have none, or a plain `close()`."""
+    hook = getattr(workflow, "aclose", None) or getattr(workflow, "close", None)
+    if hook is not None:
+        result = hook()
+        if inspect.isawaitable(result):
+            await result
 
 
 def sample_to_trajectory(sample: TokenSample, tokenizer: Any = None, **extra: Any) -> Trajectory:
@@ -87,8 +106,63 @@ def fill_masked_versions(traj: Trajectory) -> Trajectory:
     return traj
 
 
-def as_trajectories(result: EpisodeResult, tokenizer: Any = None) -> list[Trajectory] | None:
-    """An episode's answer as a list of trajectory dicts (None stays None: rejected)."""
+def _row(value: Any) -> list | None:
+    """A tensor / array / list of one sequence as a list (a leading batch dim of 1 dropped)."""
+    if value is None:
+        return None
+    rows = value.tolist() if hasattr(value, "tolist") else list(value)
+    if rows and isinstance(rows[0], list):
+        if len(rows) != 1:
+            raise ValueError(f"an episode's tensors hold {len(rows)} sequences; return one each")
+        rows = rows[0]
+    return rows
+
+
+def from_tensor_dict(item: dict[str, Any]) -> Trajectory:
+    """AReaL-lite's episode output (seed 004: `input_ids`, `loss_mask`, `logprobs`,
+    `versions`, `rewards`, optional `attention_mask`; tensors of shape (1, L) or (L,)) as a
+    trajectory: the tokens before the first loss-mask 1 are the prompt."""
+    ids, mask = _row(item["input_ids"]), _row(item.get("loss_mask"))
+    if mask is None:
+        raise ValueError(
+            "arun_episode returned `input_ids` without `loss_mask`: give loss_mask (1 on the "
+            "tokens the policy sampled) so that the prompt and the response can be told apart"
+        )
+    keep = _row(item.get("attention_mask")) or [1] * len(ids)
+    pick = [i for i, a in enumerate(keep) if a]
+    ids, mask = [ids[i] for i in pick], [int(mask[i]) for i in pick]
+    logprobs = _row(item.get("logprobs"))
+    versions = _row(item.get("versions"))
+    cut = mask.index(1) if 1 in mask else len(ids)
+    traj: Trajectory = {
+        "prompt_ids": [int(x) for x in ids[:cut]],
+        "response_ids": [int(x) for x in ids[cut:]],
+        "response_logprobs": [float(logprobs[i]) for i in pick][cut:]
+        if logprobs is not None
+        else None,
+        "loss_mask": mask[cut:],
+        "finish_reason": item.get("finish_reason", "stop"),
+    }
+    if versions is not None:
+        traj["token_versions"] = [int(versions[i]) for i in pick][cut:]
+    reward = item.get("rewards", item.get("reward"))
+    if reward is not None:
+        value = reward.tolist() if hasattr(reward, "tolist") else reward
+        while isinstance(value, list):  # a (1,) or (1, 1) tensor
+            value = value[0]
+        traj["reward"] = float(value)
+    return traj
+
+
+def as_trajectories(
+    result: EpisodeResult, tokenizer: Any = None, version: int | None = None
+) -> list[Trajectory] | None:
+    """An episode's answer as a list of trajectory dicts (None stays None: rejected).
+
+    A dict may be a trajectory or AReaL-lite's tensor dict (`from_tensor_dict`). Keys a
+    trajectory may leave out are filled: `loss_mask` (all 1), `model_version` (`version`,
+    the engine's when the episode started) when it has no per-token versions, and
+    `response` (decoded with `tokenizer`)."""
     if result is None:
         return None
     items = result if isinstance(result, list) else [result]
@@ -96,14 +170,25 @@ def as_trajectories(result: EpisodeResult, tokenizer: Any = None) -> list[Trajec
     for item in items:
         if isinstance(item, TokenSample):
             out.append(sample_to_trajectory(item, tokenizer))
-        elif isinstance(item, dict):
-            out.append(fill_masked_versions(dict(item)))
-        else:
+            continue
+        if not isinstance(item, dict):
             raise TypeError(
                 f"arun_episode returned {type(item).__name__}; expected a trajectory dict, "
                 "a TokenSample, a list of them, or None"
             )
+        traj = from_tensor_dict(item) if _is_tensor_dict(item) else dict(item)
+        if traj.get("loss_mask") is None and traj.get("response_ids") is not None:
+            traj["loss_mask"] = [1] * len(traj["response_ids"])
+        if traj.get("model_version") is None and not traj.get("token_versions"):
+            traj["model_version"] = version
+        if traj.get("response") is None and tokenizer is not None and "response_ids" in traj:
+            traj["response"] = tokenizer.decode(traj["response_ids"], skip_special_tokens=True)
+        out.append(fill_masked_versions(traj))
     return out
+
+
+def _is_tensor_dict(item: dict[str, Any]) -> bool:
+    return "input_ids" in item and "response_ids" not in item
 
 
 class WorkflowExecutor:
@@ -118,6 +203,7 @@ class WorkflowExecutor:
         self.engine = engine
         self.max_concurrent = max_concurrent
         self._results: queue.Queue[list[Trajectory] | None | BaseException] = queue.Queue()
+        self._workflows: dict[int, RolloutWorkflow] = {}  # closed at `shutdown`
         self._pending = 0
         self._lock = threading.Lock()
         self._loop = EventLoopThread("workflow-executor")
@@ -142,14 +228,16 @@ class WorkflowExecutor:
         """Start one episode now; its result is collected by `wait`."""
         with self._lock:
             self._pending += 1
+            self._workflows.setdefault(id(workflow), workflow)
         coro = self._episode(dict(data), workflow)
         return self._loop.submit(coro)
 
     async def _episode(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
         try:
+            version = self.engine.version
             result = await workflow.arun_episode(self.engine, data)
             tokenizer = getattr(self.engine, "tokenizer", None)
-            self._results.put(as_trajectories(result, tokenizer))
+            self._results.put(as_trajectories(result, tokenizer, version))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the caller of wait()
@@ -246,5 +334,12 @@ class WorkflowExecutor:
             yield from (item if isinstance(item, list) else [item])
 
     def shutdown(self) -> None:
-        """Stop the executor's event loop (running episodes are cancelled)."""
-        self._loop.close()
+        """Close every workflow it ran (`aclose`, on the episodes' loop), then stop the
+        loop (running episodes are cancelled)."""
+        with self._lock:
+            workflows, self._workflows = list(self._workflows.values()), {}
+        try:
+            for workflow in workflows:
+                self._loop.run(close_workflow(workflow))
+        finally:
+            self._loop.close()

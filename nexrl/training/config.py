@@ -86,7 +86,8 @@ class EngineConfig:
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True); needed for bitwise-exact resume on GPU."""
     ref_model_path: str | None = None
-    """Optional frozen reference model (HF path) for KL; enables compute_ref_logprobs."""
+    """Frozen reference model for KL (as `model_path`); null: the initial policy when the
+    run uses KL (`algorithm.kl_in_reward_coef` or `loss_kwargs.kl_coef` > 0), else none."""
     entropy: bool = False
     """Compute per-token entropy in train_batch (also on when loss_kwargs has entropy_coef)."""
     dp_strategy: str = "ddp"

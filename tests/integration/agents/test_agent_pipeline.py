@@ -10,6 +10,7 @@ import pytest
 
 from nexrl.controller import NexRLController
 from nexrl.rollout.agent import AgentRolloutWorker
+from nexrl.types import Task
 from tests.integration.agents import workflows
 
 MODES = {
@@ -52,7 +53,7 @@ def test_rejecting_workflow_drops_tasks(agent_config):
     )
     controller = NexRLController(cfg)
     worker = controller.system.rollout_workers[0]
-    assert worker.step({"uid": 1, "prompt": "abc"}) == "dropped"
+    assert worker.step(Task(data={"uid": 1, "prompt": "abc"})) == "dropped"
 
 
 def test_bad_workflow_path_names_the_key(agent_config):

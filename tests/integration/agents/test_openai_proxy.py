@@ -3,6 +3,7 @@ completions come back as token-exact trajectories with its reward."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -147,3 +148,29 @@ def test_openai_sdk_agent_trains_in_the_pipeline(agent_config):
     train = [x for x in lines if "train/loss" in x]
     assert [x["step"] for x in train] == [1, 2, 3]
     assert all(x["staleness/max"] <= 1 for x in train)
+
+
+async def async_agent(base_url: str, api_key: str, data: dict) -> float:
+    """Unmodified user code on the async SDK: awaited, not called in a thread."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": data["prompt"]}], max_tokens=4
+    )
+    return float(reply.choices[0].message.content is not None)
+
+
+def test_an_async_agent_is_awaited_and_the_close_hook_stops_the_proxy(engine):
+    from nexrl.agents.proxy import OpenAIAgentWorkflow
+
+    workflow = OpenAIAgentWorkflow(async_agent)
+
+    async def episode_then_close():
+        trajs = await workflow.arun_episode(engine, {"prompt": "what is 2+3?"})
+        url = workflow._server.url
+        await workflow.aclose()
+        return trajs, url
+
+    trajs, url = asyncio.run(episode_then_close())
+    assert len(trajs) == 1 and trajs[0]["reward"] == 1.0 and trajs[0]["response_ids"]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url, timeout=2)

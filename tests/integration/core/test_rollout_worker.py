@@ -57,6 +57,8 @@ def test_raising_reward_is_reported_retried_then_counted(client):
     errors = side.tracker.error_reporter.get_errors()
     assert [e.exception_type for e in errors] == ["RewardFailed"] * 2
     assert "ZeroDivisionError" in errors[0].message
+    line = broken.__code__.co_firstlineno + 1  # the reward's own `raise`, file and line
+    assert f"(at {__file__}:{line} in broken)" in errors[0].message
     assert side.tracker.get_counters()["rewards/failed/exception"] == 2
 
 

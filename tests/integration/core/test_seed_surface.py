@@ -73,9 +73,6 @@ class MyAlgorithmProcessor(BaseAlgorithmProcessor):
         trajectories = batch.to_trajectories()
         processed_values = self._process_values(trajectories)
         processed_batch = Batch(values=processed_values, metadata=batch.metadata)
-        processed_batch.metadata["min_token_versions"] = [
-            t["model_version"] for t in trajectories
-        ]
         self._put_batch(processed_batch, update_fn)
 
     def _process_values(self, trajectories):

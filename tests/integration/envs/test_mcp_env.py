@@ -91,3 +91,34 @@ def test_streamable_http_transport(http_server):
 def test_bad_stdio_command():
     with pytest.raises(ValueError, match="empty"):
         MCPToolingEnv([])
+
+
+def test_a_session_opened_by_one_episode_closes_from_another_task():
+    """Episodes (tasks) share the session; the close comes from yet another task and the
+    server process goes away, without anyio's cancel-scope error."""
+
+    async def main():
+        env = MCPToolingEnv([sys.executable, SERVER, "stdio"], timeout_s=10)
+
+        async def episode(a: int) -> str:
+            return (await env.call_tool("add", {"a": a, "b": 1})).content
+
+        assert await asyncio.gather(*(asyncio.create_task(episode(i)) for i in range(3))) == [
+            "1",
+            "2",
+            "3",
+        ]
+        await asyncio.create_task(env.aclose())
+        await env.aclose()  # twice is fine
+
+    asyncio.run(main())
+
+
+def test_a_server_that_cannot_start_fails_the_call_that_opened_it():
+    async def main():
+        env = MCPToolingEnv([sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=5)
+        with pytest.raises(BaseException):  # noqa: B017 (the SDK's own error type)
+            await asyncio.wait_for(env.list_tools(), 30)
+        await env.aclose()
+
+    asyncio.run(main())

@@ -160,3 +160,27 @@ def test_bad_arguments(chatml_tok):
     traj = MultiTurnTokens(chatml_tok, [{"role": "user", "content": "q"}])
     with pytest.raises(ValueError, match="2 output ids but 1 logprobs"):
         traj.add_assistant([1, 2], [0.0])
+
+
+def test_a_template_that_drops_tools_and_tool_calls_is_warned_once_each(caplog):
+    import logging
+
+    from nexrl.agents.chat import warn_if_template_drops
+    from tests.unit.agents.chatml import TOOLS_TEMPLATE, build_chatml_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+    smol = build_chatml_tokenizer()  # SmolLM2's template: no place for tools nor calls
+    with caplog.at_level(logging.WARNING):
+        made = warn_if_template_drops(smol, messages, tools)
+        assert [m.split(" renders ")[1].split(" to ")[0] for m in made] == [
+            "the `tools` schemas",
+            "assistant `tool_calls`",
+        ]
+        assert warn_if_template_drops(smol, messages, tools) == []  # once per tokenizer
+        assert warn_if_template_drops(build_chatml_tokenizer(TOOLS_TEMPLATE), messages, tools) == []

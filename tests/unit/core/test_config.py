@@ -46,6 +46,7 @@ def test_override_changes_value():
         ("launch_mode=cloud", "launch_mode"),
         ("rollout_worker.num_workers=0", "rollout_worker.num_workers=0 must be >= 1"),
         ("train_worker.num_workers=0", "train_worker.num_workers=0 must be >= 1"),
+        ("train_worker.num_workers=2", "train_worker.num_workers=2: a run has one train worker"),
         ("validate.concurrency=0", "validate.concurrency=0 must be >= 1"),
     ],
 )

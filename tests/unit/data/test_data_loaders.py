@@ -281,3 +281,12 @@ def test_a_resumed_or_reset_loader_reads_its_new_position(tmp_path: Path) -> Non
     b.reset()
     fresh = HFDataLoader(cfg)
     assert drain(b, 80) == drain(fresh, 80)
+
+
+def test_mock_and_memory_loaders_from_the_data_section_hold_its_rows(five: Path) -> None:
+    from nexrl.config.schema import DataConfig
+
+    for kind in ("mock", "memory"):
+        loader = create_dataloader(DataConfig(type=kind, path=str(five)))
+        assert type(loader) is InMemoryDataLoader
+        assert [it["prompt"] for it in drain(loader)] == [f"p{i}" for i in range(5)]

@@ -95,3 +95,24 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
         convert_gguf(_fake_gguf(tmp_path), home)
     left = [p.name for p in (home / "models" / "gguf").iterdir() if not p.name.endswith(".lock")]
     assert left == []
+
+
+def test_serve_resolves_model_as_model_path_does(tmp_path, monkeypatch, tiny_model_path, capsys):
+    """`nexrl serve --model` takes what `model_path` takes: an HF dir as it is, a GGUF file
+    (converted once, the same directory as `resolve_model`), and a bad path is one line."""
+    from nexrl.inference import serve
+
+    monkeypatch.setattr(
+        sources, "_write_hf_from_gguf", lambda g, out: (out / "config.json").write_text("{}")
+    )
+    monkeypatch.setenv("NEXRL_HOME", str(tmp_path / "home"))
+    gguf = _fake_gguf(tmp_path)
+    parser = serve.build_parser()
+    for given in (tiny_model_path, str(gguf)):
+        args = parser.parse_args(["--model", given])
+        serve.check_args(parser, args)
+        assert args.model == str(resolve_model(given))
+    with pytest.raises(SystemExit) as exit_info:
+        serve.check_args(parser, parser.parse_args(["--model", "./missing.gguf"]))
+    assert exit_info.value.code == 2
+    assert "--model: model_path './missing.gguf' does not exist" in capsys.readouterr().err

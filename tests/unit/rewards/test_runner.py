@@ -386,3 +386,11 @@ def test_bad_arguments() -> None:
         RewardRunner(3)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardRunner(components, timeout_s=0)
+
+
+@pytest.mark.parametrize("pool", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_raising_reward_names_its_file_and_line(pool) -> None:
+    with RewardRunner(raises, timeout_s=5, use_process_pool=pool, max_workers=1) as runner:
+        out = runner.score("p", "c")
+    line = raises.__code__.co_firstlineno + 1
+    assert out.error == "exception" and f"(at {__file__}:{line} in raises)" in out.detail

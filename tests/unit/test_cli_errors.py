@@ -1,0 +1,66 @@
+"""Known user errors end `nexrl` with one line, not a traceback: Ctrl-C, a CUDA device on
+a machine without one, a bad `--model`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nexrl import cli
+
+NO_GPU = not torch.cuda.is_available()
+
+
+def test_train_on_cuda_without_a_gpu_is_one_line_before_anything_loads(capsys, tmp_path):
+    code = cli.main(
+        ["train", "+service.inference_service.engine.device=cuda", f"output_dir={tmp_path}"]
+    )
+    err = capsys.readouterr().err
+    if NO_GPU:
+        assert code == 2 and err.count("\n") == 1
+        assert err.startswith("nexrl train: service.inference_service.engine.device=cuda but")
+        assert not any(tmp_path.iterdir())  # no run folder: nothing started
+    else:
+        assert "no CUDA GPU" not in err
+
+
+def test_serve_on_cuda_without_a_gpu_is_a_usage_error(capsys):
+    from nexrl.inference import serve
+
+    parser = serve.build_parser()
+    args = parser.parse_args(["--device", "cuda"])
+    if NO_GPU:
+        with pytest.raises(SystemExit) as exit_info:
+            serve.check_args(parser, args)
+        assert exit_info.value.code == 2
+        assert "--device cuda: this machine has no CUDA GPU" in capsys.readouterr().err
+    else:
+        serve.check_args(parser, args)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_is_one_line(tmp_path, tiny_model_path):
+    cmd = [
+        sys.executable, "-m", "nexrl.cli", "train", f"model_path={tiny_model_path}",
+        f"output_dir={tmp_path}", "train_worker.total_train_steps=100000",
+        "rollout_worker.num_workers=2", "validate.validate_before_train=false",
+        "logger.backend=[jsonl]",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:  # the run has started once it names its folder
+        if line.startswith("nexrl: run dir") or time.monotonic() > deadline:
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert "nexrl train: interrupted (Ctrl-C); run dir" in err
