@@ -8,6 +8,7 @@ messages, render them and the tools with the chat template, generate, parse the 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from nexrl.inference.api_models import assistant_message, chat_messages
@@ -51,7 +52,8 @@ async def chat_with_tools(
     }
 
 
-_TEMPLATE_CHECKED: set[tuple[int, str]] = set()  # (id(tokenizer), what) already checked
+# tokenizer -> the kinds already checked (weak: an id could be reused by a new tokenizer)
+_TEMPLATE_CHECKED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def warn_if_template_drops(
@@ -72,11 +74,11 @@ def warn_if_template_drops(
             for m in messages
         ]
         checks.append(("tool_calls", bare, {}, "assistant `tool_calls`"))
+    checked = _TEMPLATE_CHECKED.setdefault(tokenizer, set())
     for kind, other, override, what in checks:
-        key = (id(tokenizer), kind)
-        if key in _TEMPLATE_CHECKED:
+        if kind in checked:
             continue
-        _TEMPLATE_CHECKED.add(key)
+        checked.add(kind)
         with_it = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False)
         kwargs = {"tools": tools or None, **override}
         without = tokenizer.apply_chat_template(other, tokenize=False, **kwargs)

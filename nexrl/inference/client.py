@@ -235,6 +235,9 @@ class LLMServiceClient:
         if self._remote is not None:
             result = self._retrying(self._remote.chat, messages, kwargs, tools)
         else:
+            from nexrl.agents.chat import warn_if_template_drops
+
+            warn_if_template_drops(self.tokenizer, messages, tools)
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
                 return_dict=False,

@@ -315,8 +315,12 @@ def _tool_mode(body: ChatRequest, parser: ToolCallParser | None) -> ToolCallPars
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-    """The chat template's prompt ids; a template that rejects the messages is a 400."""
+    """The chat template's prompt ids; a template that rejects the messages is a 400.
+    A template that renders tools or tool calls to nothing is logged once."""
+    from nexrl.agents.chat import warn_if_template_drops
+
     try:
+        warn_if_template_drops(tokenizer, messages, tools)
         ids = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
             return_dict=False,

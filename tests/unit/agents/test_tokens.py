@@ -184,3 +184,17 @@ def test_a_template_that_drops_tools_and_tool_calls_is_warned_once_each(caplog):
         ]
         assert warn_if_template_drops(smol, messages, tools) == []  # once per tokenizer
         assert warn_if_template_drops(build_chatml_tokenizer(TOOLS_TEMPLATE), messages, tools) == []
+
+
+def test_the_server_and_the_client_warn_when_the_template_drops_tools(caplog):
+    import logging
+
+    from nexrl.inference.server import _render
+    from tests.unit.agents.chatml import build_chatml_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    messages = [{"role": "user", "content": "2+3?"}]
+    smol = build_chatml_tokenizer()  # a fresh tokenizer: not yet checked
+    with caplog.at_level(logging.WARNING):
+        ids = _render(smol, messages, tools)
+    assert ids and any("the `tools` schemas" in r.getMessage() for r in caplog.records)
