@@ -63,7 +63,7 @@ def test_inflight_update_is_a_fully_async_option(mode):
         SamplePolicy.from_config(WeightConfig(sync_mode=mode, inflight_weight_update=True), 2)
 
 
-def test_inflight_update_needs_the_builtin_engine():
+def test_inflight_update_needs_an_engine_that_pauses():
     from nexrl.builders import build_weight_sync_controller
     from nexrl.config import load_config
 
@@ -71,11 +71,11 @@ def test_inflight_update_needs_the_builtin_engine():
         [
             "weight.sync_mode=fully-async",
             "weight.inflight_weight_update=true",
-            "service.inference_service.backend=vllm",
+            "service.inference_service.backend=sglang",
             "service.inference_service.url=http://127.0.0.1:1",
         ]
     )
-    with pytest.raises(ValueError, match="backend is 'vllm'"):
+    with pytest.raises(ValueError, match="backend is 'sglang'"):
         build_weight_sync_controller(cfg)
 
 

@@ -56,6 +56,12 @@ def _fake_gguf(tmp_path):
     return gguf
 
 
+def _fake_converted(out):
+    """What a conversion leaves, less the weights: configs a cached directory is repaired by."""
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        (out / name).write_text("{}")
+
+
 def test_gguf_is_converted_once_and_reused(tmp_path, monkeypatch):
     """The conversion itself is transformers' (covered on SmolLM2 in the integration
     tests); here: caching, the lock and the atomic rename around it."""
@@ -63,7 +69,7 @@ def test_gguf_is_converted_once_and_reused(tmp_path, monkeypatch):
 
     def write(gguf_file, out):
         calls.append(gguf_file)
-        (out / "config.json").write_text("{}")
+        _fake_converted(out)
 
     monkeypatch.setattr(sources, "_write_hf_from_gguf", write)
     gguf = _fake_gguf(tmp_path)
@@ -103,7 +109,7 @@ def test_serve_resolves_model_as_model_path_does(tmp_path, monkeypatch, tiny_mod
     from nexrl.inference import serve
 
     monkeypatch.setattr(
-        sources, "_write_hf_from_gguf", lambda g, out: (out / "config.json").write_text("{}")
+        sources, "_write_hf_from_gguf", lambda g, out: _fake_converted(out)
     )
     monkeypatch.setenv("NEXRL_HOME", str(tmp_path / "home"))
     gguf = _fake_gguf(tmp_path)
