@@ -154,7 +154,8 @@ def grid(args) -> list[dict]:
             for r, t in ((2, 16), (4, 32))
         ]
     if args.fit:
-        base = dict(rows=args.fit_rows, tokens=256, micro_batch_tokens=256, steps=1)
+        tokens = args.fit_tokens
+        base = dict(rows=args.fit_rows, tokens=tokens, micro_batch_tokens=tokens, steps=1)
         specs = [dict(model="360M", **base), dict(model="1.7B", lora=True, **base)]
         return [s for s in specs if not args.shapes or s["model"] in args.shapes]
     micro, steps = args.micro, args.scale_steps
@@ -199,6 +200,7 @@ def main() -> None:
     p.add_argument("--scale", action="store_true")
     p.add_argument("--fit", action="store_true")
     p.add_argument("--fit-rows", type=int, default=8, help="rows of 256 tokens (--fit)")
+    p.add_argument("--fit-tokens", type=int, default=256, help="tokens a row (--fit)")
     p.add_argument("--shape", action="append", dest="shapes", help="360M or 1.7B (--fit)")
     p.add_argument("--scale-steps", type=int, default=2, help="steps per geometry (--scale)")
     p.add_argument("--recipe", action="store_true")
