@@ -62,6 +62,7 @@ SMOKE_LINES = {
     "bench_startup.py": "process_vs_builtin_first_step:",
     "bench_host.py": "nexrl_host_vs_minimal:",
     "bench_soak.py": "soak_lost_duplicated: 0 0",
+    "bench_memory.py": "peak_rss_gib_at_largest:",
 }
 
 
@@ -80,6 +81,7 @@ def test_every_benchmark_has_a_smoke_test() -> None:
         "bench_validation.py",
         "bench_startup.py",
         "bench_host.py",
+        "bench_memory.py",
     ],
 )
 def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:  # bench_e2e.py: below

@@ -110,7 +110,10 @@ class RayDataParallelTrainClient:
     def load_checkpoint(self, path: str) -> None:
         self._all("load_checkpoint", path)
 
-    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+    def export_weights(
+        self, path: str | None = None, copy: bool = True
+    ) -> dict[str, torch.Tensor] | str:
+        """Rank 0's weights (a copy: they come from the rank actors)."""
         return self._all("export_weights", path)[0]
 
     def get_step(self) -> int:

@@ -73,7 +73,8 @@ def _key(path: str | Path) -> str:
 
 def publish_in_memory(path: str | Path, state: dict[str, torch.Tensor]) -> None:
     """Make `state` what an update from `path` loads in this process (it replaces the
-    previous one; its tensors must not be changed afterwards: publish copies)."""
+    previous one; its tensors must not change while a push reads them: the train worker
+    publishes the trainer's own tensors only where every push ends before its next step)."""
     with _PUBLISHED_LOCK:
         _PUBLISHED[_key(path)] = state
 

@@ -113,7 +113,7 @@ def _write_hf_files(engine: TorchTrainEngine, out: Path, state: dict[str, torch.
 
 def save(engine: TorchTrainEngine, path: str) -> None:
     """Weights (HF format) and trainer state, atomically; every rank must call it (collectives)."""
-    state = full_model_state(engine.model)
+    state = full_model_state(engine.model, copy=False)  # written now, before any update
     optim = get_optimizer_state_dict(engine.model, engine.optimizer, options=_options())
     if engine.rank == 0:
         trainer_state = {

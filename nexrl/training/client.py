@@ -127,10 +127,14 @@ class TrainServiceClient:
             return self._engine.load(path)
         self._remote().json("POST", "/load", json={"path": path}, idempotent=True)
 
-    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
-        """State dict (CPU tensors), or the HF directory written at `path`."""
+    def export_weights(
+        self, path: str | None = None, copy: bool = True
+    ) -> dict[str, torch.Tensor] | str:
+        """State dict (CPU tensors), or the HF directory written at `path`. `copy=False`:
+        an engine in this process may hand out its own tensors (`TorchTrainEngine.export_weights`);
+        a remote one always sends a copy."""
         if self._engine is not None:
-            return self._engine.export_weights(path)
+            return self._engine.export_weights(path, copy=copy)
         if path is not None:
             out = self._remote().json(
                 "POST", "/export_weights", json={"path": path}, idempotent=True

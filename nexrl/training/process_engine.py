@@ -117,16 +117,19 @@ class ProcessTrainEngine:
     def load(self, path: str) -> None:
         self._call("load", path=str(path))
 
-    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+    def export_weights(
+        self, path: str | None = None, copy: bool = True
+    ) -> dict[str, torch.Tensor] | str:
         """An HF folder written at `path`, or the state dict copied out of the shared
-        buffer (fresh tensors: the next export may overwrite the buffer)."""
+        buffer (fresh tensors: the next export may overwrite the buffer); `copy=False`:
+        the buffer's own views, valid until the next export."""
         if path is not None:
             return self._call("export", path=str(path))[1]
         with self._lock:
             answer = self._locked_call("export", None, {})[1]
             if answer["file"] is not None:
                 self._map(answer["file"], answer["layout"], answer["nbytes"])
-            return {name: view.clone() for name, view in self._views.items()}
+            return {name: view.clone() if copy else view for name, view in self._views.items()}
 
     def close(self) -> None:
         """Stop the child (it exits on its own when this process dies first)."""

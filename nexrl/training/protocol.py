@@ -41,6 +41,10 @@ class TrainEngine(Protocol):
 
     def load(self, path: str) -> None: ...
 
-    def export_weights(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
-        """Weights for the inference side: a state dict, or a directory if `path` is set."""
+    def export_weights(
+        self, path: str | None = None, copy: bool = True
+    ) -> dict[str, torch.Tensor] | str:
+        """Weights for the inference side: a state dict, or a directory if `path` is set.
+        `copy=False`: the state dict may share memory with the trainer, valid until its
+        next step (for a caller that copies it into an engine before then)."""
         ...

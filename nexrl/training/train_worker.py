@@ -300,11 +300,14 @@ class TrainWorker(LoopModule):
         or in the weight-sync controller's when that is another process."""
         if not self._weights_in_memory:
             return self._client.export_weights(self._sync_weight_path)
-        state = self._client.export_weights(None)
         if self._engine_elsewhere():
+            state = self._client.export_weights(None)
             execute(self._weight_sync_controller.publish_weights, state_to_arrays(state))
         else:
-            publish_in_memory(self._sync_weight_path, state)
+            # the trainer's own tensors, no copy: every push in this process copies them
+            # into the engine before `train_worker_notify_weight_update` returns, so before
+            # the next optimizer step changes them (one copy of the weights less)
+            publish_in_memory(self._sync_weight_path, self._client.export_weights(None, False))
         return self._sync_weight_path
 
     # -- checkpoints ---------------------------------------------------------------

@@ -137,3 +137,31 @@ def test_bad_memory_options_fail_naming_the_key():
         "target_modules": "all-linear",
         "dropout": 0.0,
     }
+
+
+def test_export_without_copy_shares_the_trainers_tensors(tiny_model, tmp_path):
+    """The in-process weight hand-off publishes the trainer's own tensors (one copy of the
+    weights less); a plain export and a checkpoint stay independent of later updates."""
+    engine = TorchTrainEngine({}, tiny_model)
+    params = {k: p.data_ptr() for k, p in engine.model.named_parameters()}
+    shared = engine.export_weights(None, copy=False)
+    copied = engine.export_weights(None)
+    assert all(shared[k].data_ptr() == ptr for k, ptr in params.items())
+    assert all(copied[k].data_ptr() != ptr for k, ptr in params.items())
+    engine.save(str(tmp_path / "ckpt"))
+    engine.train_batch(random_batch(4, 10, seed=2), "ppo_clip", PPO)
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, copied[name]), name  # what was there at the save
+        assert not torch.equal(tensor, shared[name]), name  # the shared ones moved on
+
+
+def test_an_engine_built_on_a_given_model_trains_it(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    engine = TorchTrainEngine({}, "in-memory", model=model)
+    before = copy.deepcopy(model.state_dict())
+    engine.train_batch(random_batch(4, 10, seed=2), "ppo_clip", PPO)
+    assert engine.model is model and engine.model_path == "in-memory"
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

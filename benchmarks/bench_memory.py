@@ -1,0 +1,243 @@
+"""Memory of training: a train step as the batch grows, the largest geometry that fits,
+and the SmolLM2 recipe's peak RSS against an older checkout of nexrl.
+
+Each geometry runs in a child process of its own, so its peak resident set size
+(`ru_maxrss`) is that geometry's alone: model, gradients, AdamW state, activations.
+All float32, no gradient checkpointing, `TorchTrainEngine.train_batch` with the
+PPO-clip loss on full-length rows whose second half is the response.
+
+    python benchmarks/bench_memory.py --smoke     # CI: a tiny model, two geometries, seconds
+    python benchmarks/bench_memory.py --scale     # SmolLM2-135M: rows x tokens
+    python benchmarks/bench_memory.py --fit       # random SmolLM2-family 360M (full), 1.7B (LoRA)
+    python benchmarks/bench_memory.py --recipe --baseline DIR [--steps 3]
+        # /usr/bin/time -v nexrl train --config-name smollm2_arithmetic, DIR's tree vs this one
+
+Last line: `peak_rss_gib_at_largest:` (smoke, scale, fit) or `recipe_peak_rss_new_vs_old:`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _machine import add_out_arguments, describe, prepend_section, results_dir, section_head
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+TITLE = "# Memory of training (benchmarks/bench_memory.py)"
+PPO = {"clip_low": 0.2, "clip_high": 0.28}
+SHAPES = {  # SmolLM2's family (the published configs' geometry; weights drawn at random)
+    "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3),
+    "360M": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                 num_attention_heads=15, num_key_value_heads=5),
+    "1.7B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                 num_attention_heads=32, num_key_value_heads=32),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}  # fmt: skip
+
+
+def random_model(shape: str):
+    """A randomly initialised Llama of `SHAPES[shape]` with SmolLM2's vocabulary, built
+    without running HF's per-module init (seconds, not minutes, at 1.7B)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
+        rope_theta=10000.0, **SHAPES[shape],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+        model.model.rotary_emb.__init__(config)  # its buffers are not parameters
+    return model.tie_weights() or model
+
+
+def child(spec: dict) -> dict:
+    """One geometry: build, run `spec["steps"]` train steps, report peak RSS and s/step."""
+    import torch
+
+    from nexrl.training.torch_engine import TorchTrainEngine
+    from nexrl.types import Batch
+
+    torch.set_num_threads(int(spec.get("threads", os.cpu_count() or 1)))
+    config = {"lr": 1e-5, "micro_batch_tokens": spec["micro_batch_tokens"]}
+    if spec.get("lora"):
+        config["lora"] = {"rank": 16}
+    if spec["model"] == "smollm2":
+        engine = TorchTrainEngine(config, "smollm2")
+    else:
+        engine = TorchTrainEngine(config, spec["model"], model=random_model(spec["model"]))
+    built = _rss_now()
+    rows, tokens = spec["rows"], spec["tokens"]
+    vocab = engine.model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    loss_mask = torch.zeros(rows, tokens)
+    loss_mask[:, tokens // 2 :] = 1
+    batch = Batch(
+        {
+            "input_ids": torch.randint(3, vocab, (rows, tokens), generator=g),
+            "attention_mask": torch.ones(rows, tokens, dtype=torch.long),
+            "loss_mask": loss_mask,
+            "advantages": torch.randn(rows, 1, generator=g) * loss_mask,
+        }
+    )
+    times = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        engine.train_batch(batch, "ppo_clip", PPO)
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+    return {
+        **spec,
+        "params": engine._n_params,
+        "trainable": trainable,
+        "rss_built_gib": built / GIB,
+        "peak_rss_gib": peak / GIB,
+        "s_per_step": min(times[1:] or times),
+    }
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return kb * 1024
+
+
+def measure(spec: dict) -> dict:
+    """`child(spec)` in a fresh process (its peak is its own)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"geometry {spec} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = [
+        "| model | params (trainable) | rows x tokens | micro-batch tokens "
+        "| RSS built (GiB) | peak RSS (GiB) | s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lora = " LoRA" if r.get("lora") else ""
+        lines.append(
+            f"| {r['model']}{lora} | {r['params'] / 1e6:.0f}M ({r['trainable'] / 1e6:.1f}M) "
+            f"| {r['rows']} x {r['tokens']} | {r['micro_batch_tokens']} "
+            f"| {r['rss_built_gib']:.2f} | {r['peak_rss_gib']:.2f} | {r['s_per_step']:.2f} |"
+        )
+    return lines
+
+
+def grid(args) -> list[dict]:
+    if args.smoke:
+        return [
+            dict(model="tiny", rows=r, tokens=t, micro_batch_tokens=8192, steps=2)
+            for r, t in ((2, 16), (4, 32))
+        ]
+    if args.fit:
+        tokens = args.fit_tokens
+        base = dict(rows=args.fit_rows, tokens=tokens, micro_batch_tokens=tokens, steps=1)
+        specs = [dict(model="360M", **base), dict(model="1.7B", lora=True, **base)]
+        return [s for s in specs if not args.shapes or s["model"] in args.shapes]
+    micro, steps = args.micro, args.scale_steps
+    return [
+        dict(model="smollm2", rows=r, tokens=t, micro_batch_tokens=micro, steps=steps)
+        for r, t in args.geometries
+    ]
+
+
+def recipe_run(tree: Path, steps: int, out: Path) -> dict:
+    """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [
+        "/usr/bin/time", "-v", sys.executable, "-m", "nexrl.cli", "train",
+        "--config-name", "smollm2_arithmetic", f"output_dir={out}",
+        f"train_worker.total_train_steps={steps}", "weight.validate_freq=3",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
+    wall = time.perf_counter() - start
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"recipe run in {tree} failed:\n{text[-3000:]}")
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
+    vals = re.findall(r"validation at step (\d+): \{'val/reward': ([0-9.]+)", text)
+    return {"peak_rss_gib": rss * 1024 / GIB, "wall_s": wall, "val": vals}
+
+
+def recipe(args) -> tuple[list[str], str]:
+    old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
+    new = recipe_run(ROOT, args.steps, Path(args.out) / "new")
+    lines = ["| tree | peak RSS (GiB) | wall (s) | held-out reward by step |", "|---|---|---|---|"]
+    for name, r in (("before (" + args.baseline + ")", old), ("this tree", new)):
+        val = ", ".join(f"{s}: {v}" for s, v in r["val"])
+        lines.append(f"| {name} | {r['peak_rss_gib']:.2f} | {r['wall_s']:.0f} | {val} |")
+    return lines, f"recipe_peak_rss_new_vs_old: {new['peak_rss_gib'] / old['peak_rss_gib']:.3f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--scale", action="store_true")
+    p.add_argument("--fit", action="store_true")
+    p.add_argument("--fit-rows", type=int, default=8, help="rows of 256 tokens (--fit)")
+    p.add_argument("--fit-tokens", type=int, default=256, help="tokens a row (--fit)")
+    p.add_argument("--shape", action="append", dest="shapes", help="360M or 1.7B (--fit)")
+    p.add_argument("--scale-steps", type=int, default=2, help="steps per geometry (--scale)")
+    p.add_argument("--recipe", action="store_true")
+    p.add_argument("--baseline", help="a checkout of the nexrl to compare (--recipe)")
+    p.add_argument("--steps", type=int, default=3, help="recipe train steps (--recipe)")
+    p.add_argument("--micro", type=int, default=8192, help="micro_batch_tokens (--scale)")
+    p.add_argument("--geometry", action="append", dest="geometries", default=None,
+                   help="ROWSxTOKENS (--scale; repeatable)")  # fmt: skip
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    add_out_arguments(p)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.recipe:
+        if not args.baseline:
+            p.error("--recipe needs --baseline DIR (a checkout of the nexrl to compare)")
+        out = results_dir(args)
+        with tempfile.TemporaryDirectory() as tmp:
+            args.out = tmp  # the two runs' folders
+            lines, last = recipe(args)
+        args.out, args.update_results = out, False
+        title = f": the recipe's peak RSS, {args.steps} steps, before vs this tree"
+    else:
+        geoms = args.geometries or ["16x64", "16x256", "64x64", "64x256", "16x1024"]
+        args.geometries = [tuple(int(x) for x in g.split("x")) for g in geoms]
+        results = [measure(spec) for spec in grid(args)]
+        lines = table(results)
+        last = f"peak_rss_gib_at_largest: {results[-1]['peak_rss_gib']:.2f}"
+        title = ": what fits in 24 GiB" if args.fit else ": a SmolLM2-135M train step"
+    print("\n".join(lines))
+    if not args.smoke:
+        head = section_head(title)
+        prepend_section(results_dir(args) / "memory.md", TITLE, [*head, *lines, ""])
+    print(describe())
+    print(last)
+
+
+if __name__ == "__main__":
+    main()
