@@ -26,10 +26,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nexrl.algorithms.objective import compute_loss
+from nexrl.host_memory import release_freed_memory, release_wanted
 from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_state_dict
 from nexrl.models.sources import resolve_model
 from nexrl.models.threads import threads_for, use_threads
-from nexrl.run_setup import release_freed_memory
 from nexrl.training import checkpoint
 from nexrl.training.config import EngineConfig
 from nexrl.training.masks import dense_masks_apply, model_attention_mask
@@ -54,13 +54,6 @@ GPU_SHARED_PREFIX_FLOPS = 2e12
 """On a GPU, auto `shared_prefix` needs to save this much forward + backward arithmetic
 (6 x parameters x tokens saved): about what launching a second forward and backward
 costs a small model there (a few milliseconds)."""
-TRIM_MIN_PARAMS = 50_000_000
-"""On a CPU, a model from this size up hands the memory its step freed (activations, the
-chunked logits) back to the OS after each update. The run keeps freed memory in glibc's
-heaps for the next step (`retain_freed_heap`), up to 256 MiB a heap and one heap per
-thread that allocated: with SmolLM2-135M's train step, engine and 64 sampling threads
-the recipe's RSS grew by 2-3 GB in three steps. Faulting the pages in again costs a
-small fraction of such a step; a toy model's step (milliseconds) keeps its heap."""
 GPU_AUTOCAST_FLOPS = 1e11
 """On a GPU, `dtype: auto` autocasts a micro-batch to bfloat16 only when its forward +
 backward arithmetic (6 x parameters x tokens) reaches this. Below it the products are a
@@ -322,8 +315,8 @@ class TorchTrainEngine:
         self.optimizer.step()
         self.scheduler.step()
         self._step += 1
-        if self.device.type == "cpu" and self._n_params >= TRIM_MIN_PARAMS:
-            release_freed_memory()
+        if release_wanted(self.config.release_host_memory, self.device.type, self._n_params):
+            release_freed_memory()  # nexrl/host_memory.py: why, and the switch
         metrics = _reduce_metrics(sums, float(totals[0]), totals.device)
         metrics.update(
             grad_norm=float(grad_norm),

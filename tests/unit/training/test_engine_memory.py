@@ -165,3 +165,27 @@ def test_an_engine_built_on_a_given_model_trains_it(tiny_model):
     engine.train_batch(random_batch(4, 10, seed=2), "ppo_clip", PPO)
     assert engine.model is model and engine.model_path == "in-memory"
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_release_host_memory_is_auto_by_size_and_never_on_a_gpu():
+    from nexrl.host_memory import AUTO_MIN_PARAMS, release_wanted
+
+    assert release_wanted(None, "cpu", AUTO_MIN_PARAMS) is True
+    assert release_wanted(None, "cpu", AUTO_MIN_PARAMS - 1) is False
+    assert release_wanted(True, "cpu", 10) is True and release_wanted(False, "cpu", 10**9) is False
+    assert release_wanted(True, "cuda", 10**9) is False
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_release_host_memory_switch_trains_and_releases(tiny_model, setting, monkeypatch):
+    from nexrl.host_memory import release_freed_memory
+    from nexrl.training import torch_engine
+
+    assert release_freed_memory() is True  # glibc: malloc_trim exists and ran
+    calls: list[bool] = []
+    monkeypatch.setattr(torch_engine, "release_freed_memory", lambda: calls.append(True))
+    engine = TorchTrainEngine({"lr": 1e-3, "release_host_memory": setting}, tiny_model)
+    before = {k: p.detach().clone() for k, p in engine.model.named_parameters()}
+    engine.train_batch(random_batch(4, 9, seed=1), "ppo_clip", PPO)
+    moved = any(not torch.equal(before[k], p) for k, p in engine.model.named_parameters())
+    assert moved and calls == ([True] if setting else [])
