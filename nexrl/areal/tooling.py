@@ -52,9 +52,9 @@ class ToolExecutor:
         if self.tokenizer is None:
             return messages
         before = [*(history or []), {"role": "assistant", "content": completion}]
-        head = self.tokenizer.apply_chat_template(before, tokenize=True)
+        head = self.tokenizer.apply_chat_template(before, tokenize=True, return_dict=False)
         full = self.tokenizer.apply_chat_template(
-            [*before, *messages], tokenize=True, add_generation_prompt=True
+            [*before, *messages], tokenize=True, add_generation_prompt=True, return_dict=False
         )
         if list(full[: len(head)]) != list(head):
             raise ValueError("the chat template rewrote the conversation; pass `history`")

@@ -124,7 +124,7 @@ class AlgorithmConfig:
     """DAPO: no loss on responses cut off by `max_tokens`."""
     kl_in_reward_coef: float = 0.0
     """KL penalty in the reward, `reward - coef * KL(policy || reference)` per sequence
-    (the reference: `train_worker.engine.ref_model_path`, default the initial policy);
+    (the reference: `train_worker.engine.ref_model_path`; unset, the initial policy);
     0: off. For KL as a loss term use `loss_kwargs.kl_coef`."""
     kl_in_reward_estimator: str = "k1"
     """KL estimator of the reward penalty: k1, k2 or k3."""
