@@ -495,4 +495,3 @@ def smoke(threads: int) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -74,7 +74,7 @@ class MCPToolingEnv:
 
     @property
     def is_initialized(self) -> bool:
-        return self._open and self.tool_schemas is not None
+        return self._owner is not None and self.tool_schemas is not None
 
     async def ainitialize(self) -> None:
         """Seed 004's setup: connect and read the tool list once (then `list_tools()` needs
@@ -102,20 +102,22 @@ class MCPToolingEnv:
         """Open the session once (in the owner task) and wait until it is open."""
         if self._owner is None:
             loop = asyncio.get_running_loop()
-            self._opened, self._leave = loop.create_future(), asyncio.Event()
-            self._owner = loop.create_task(self._hold(), name="mcp-session")
+            opened, leave = loop.create_future(), asyncio.Event()
+            self._opened, self._leave = opened, leave
+            self._owner = loop.create_task(self._hold(opened, leave), name="mcp-session")
+        assert self._opened is not None
         await asyncio.shield(self._opened)
         return self
 
-    async def _hold(self) -> None:
+    async def _hold(self, opened: asyncio.Future[None], leave: asyncio.Event) -> None:
         """The owner task: enter the client, wait for `aclose`, leave in this same task."""
         try:
             async with self._client:
-                self._opened.set_result(None)
-                await self._leave.wait()
+                opened.set_result(None)
+                await leave.wait()
         except BaseException as exc:
-            if not self._opened.done():  # the session never opened: the caller gets why
-                self._opened.set_exception(exc)
+            if not opened.done():  # the session never opened: the caller gets why
+                opened.set_exception(exc)
             else:
                 raise
 
@@ -158,7 +160,7 @@ class MCPToolingEnv:
     async def aclose(self) -> None:
         """Close the session (from any task of the loop that opened it)."""
         owner, self._owner = self._owner, None
-        if owner is None:
+        if owner is None or self._leave is None:
             return
         self._leave.set()
         await owner

@@ -239,7 +239,10 @@ class LLMServiceClient:
 
             warn_if_template_drops(self.tokenizer, messages, tools)
             ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=True,
                 return_dict=False,
             )
             prompt = self.tokenizer.decode(ids)

@@ -322,7 +322,10 @@ def _render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None)
     try:
         warn_if_template_drops(tokenizer, messages, tools)
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=True,
             return_dict=False,
         )
     except jinja2.TemplateError as exc:

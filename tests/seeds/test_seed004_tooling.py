@@ -69,6 +69,7 @@ def test_mcp_env_from_the_seed_config():
             assert "boom" in await env.aexecute("fail", {"message": "boom"})
         finally:
             await env.aclose()
+        assert not env.is_initialized  # closed: the session is gone
 
     asyncio.run(main())
     with pytest.raises(ValueError, match="exactly one of `url` and `command`"):

@@ -108,9 +108,7 @@ def test_serve_resolves_model_as_model_path_does(tmp_path, monkeypatch, tiny_mod
     (converted once, the same directory as `resolve_model`), and a bad path is one line."""
     from nexrl.inference import serve
 
-    monkeypatch.setattr(
-        sources, "_write_hf_from_gguf", lambda g, out: _fake_converted(out)
-    )
+    monkeypatch.setattr(sources, "_write_hf_from_gguf", lambda g, out: _fake_converted(out))
     monkeypatch.setenv("NEXRL_HOME", str(tmp_path / "home"))
     gguf = _fake_gguf(tmp_path)
     parser = serve.build_parser()

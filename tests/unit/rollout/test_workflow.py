@@ -36,7 +36,8 @@ class OneTurn(RolloutWorkflow):
         if data["uid"] % 2:
             return None
         ids = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": data["prompt"]}], add_generation_prompt=True,
+            [{"role": "user", "content": data["prompt"]}],
+            add_generation_prompt=True,
             return_dict=False,
         )
         resp = await engine.agenerate(GenerationRequest(list(ids), SamplingParams(4, 0.0)))
