@@ -60,7 +60,7 @@ def test_token_ids_logprobs_n_and_stop(vllm_config, tiny_model_path):
     remote.shutdown()
 
 
-def long_request(client, rid: str, out: dict) -> threading.Thread:
+def long_request(client, rid: str, out: dict, wait_s: float) -> threading.Thread:
     def run() -> None:
         out[rid] = client.completion(
             prompt_ids=PROMPT, max_tokens=200, temperature=1.0, ignore_eos=True, rid=rid
@@ -68,23 +68,31 @@ def long_request(client, rid: str, out: dict) -> threading.Thread:
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(1.0)
+    time.sleep(wait_s)
     return thread
+
+
+def aborted(client, rid: str, abort_all: bool) -> dict:
+    """Abort a 200-token request mid-way. The tiny model on an idle machine may finish
+    it before the abort lands: try sooner (the abort must win at least once)."""
+    out: dict = {}
+    for i, wait_s in enumerate((1.0, 0.3, 0.1, 0.03)):
+        name = f"{rid}-{i}"
+        thread = long_request(client, name, out, wait_s)
+        client.abort() if abort_all else client.abort(name)
+        thread.join(60)
+        if out[name]["finish_reason"] == "abort":
+            return out[name]
+        assert out[name]["finish_reason"] == "length"  # it finished before the abort
+    raise AssertionError("no abort landed before its request finished")
 
 
 def test_abort_returns_the_tokens_sampled_so_far(vllm_config):
     client = LLMServiceClient(vllm_config)
-    out: dict = {}
-    thread = long_request(client, "one", out)
-    client.abort("one")
-    thread.join(60)
-    assert out["one"]["finish_reason"] == "abort"
-    assert 0 < len(out["one"]["response_ids"]) < 200
-    assert len(out["one"]["response_logprobs"]) == len(out["one"]["response_ids"])
-    thread = long_request(client, "two", out)
-    client.abort()  # all
-    thread.join(60)
-    assert out["two"]["finish_reason"] == "abort"
+    one = aborted(client, "one", abort_all=False)
+    assert 0 <= len(one["response_ids"]) < 200
+    assert len(one["response_logprobs"]) == len(one["response_ids"])
+    assert aborted(client, "two", abort_all=True)["finish_reason"] == "abort"
 
 
 def perturbed_weights(tiny_model_path, into) -> torch.nn.Module:
