@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -350,14 +351,14 @@ def test_dense_mask_equals_transformers_mask_on_real_queries(tiny_model):
     config = AutoConfig.from_pretrained(tiny_model)
     config._attn_implementation = "sdpa"
     key_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    theirs = create_causal_mask(
-        config=config,
-        input_embeds=torch.zeros(3, 5, 1),
-        attention_mask=key_mask,
-        cache_position=torch.arange(5),
-        past_key_values=None,
-        position_ids=None,
-    )
+    # transformers 5 renamed input_embeds / past_key_values and dropped cache_position
+    params = inspect.signature(create_causal_mask).parameters
+    embeds = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
+    cache = "cache" if "cache" in params else "past_key_values"
+    kwargs = {embeds: torch.zeros(3, 5, 1), cache: None}
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(5)
+    theirs = create_causal_mask(config=config, attention_mask=key_mask, position_ids=None, **kwargs)
     ours = causal_padding_mask(key_mask, 5)
     real = key_mask.bool()[:, None, :, None].expand_as(ours)
     assert torch.equal(ours[real], theirs[real])
