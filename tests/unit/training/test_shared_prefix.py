@@ -246,7 +246,7 @@ def spy(monkeypatch) -> list[int]:
     return calls
 
 
-def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch):
+def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch, caplog):
     calls = spy(monkeypatch)
     batch = grouped_batch()
     engine(tiny_model).compute_logprobs(batch)  # auto: on
@@ -254,7 +254,9 @@ def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch):
     engine(tiny_model, shared_prefix=False).compute_logprobs(batch)
     engine(tiny_model).compute_logprobs(batch.select([0, 4, 7, 8]))  # nothing shared
     engine(tiny_model, logprob_positions="all").compute_logprobs(batch)  # prompt wanted too
-    engine(tiny_model, use_packing=True).compute_logprobs(batch)
+    with caplog.at_level("INFO", logger="nexrl.training.torch_engine"):
+        engine(tiny_model, use_packing=True).compute_logprobs(batch)
+    assert "shared_prefix (auto): plain forward, it needs one rank" in caplog.text
     checkpointed = engine(tiny_model, shared_prefix=True, gradient_checkpointing=True)
     with pytest.warns(UserWarning, match="gradient checkpointing"):
         checkpointed.train_batch(batch, "ppo_clip", PPO)
