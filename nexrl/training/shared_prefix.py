@@ -186,7 +186,7 @@ def shared_prefix_logprobs(
         input_ids=plan.prefix_ids,
         attention_mask=model_attention_mask(plan.prefix_mask, width, dense_masks),
         position_ids=positions,
-        past_key_values=cache,
+        **{_cache_kwarg(module): cache},
         use_cache=True,
     )
     lengths = plan.prefix_mask.sum(-1)
@@ -240,7 +240,7 @@ def _grouped_suffix_hidden(module, plan: PrefixPlan, cache, last) -> torch.Tenso
         input_ids=ids,
         attention_mask=grouped_suffix_mask(plan.prefix_mask, owner),
         position_ids=position_ids,
-        past_key_values=cache,
+        **{_cache_kwarg(module): cache},
         use_cache=True,
     ).logits  # (P, W, H)
     return torch.cat([hidden, out[groups, cols.clamp(max=shape[1] - 1)]], 1)
@@ -280,7 +280,7 @@ def _suffix_hidden(
         input_ids=plan.suffix_ids[rows, :width],
         attention_mask=model_attention_mask(keys, width, dense_masks),
         position_ids=plan.start[rows, None] + span,
-        past_key_values=_select_rows(cache, prefix),
+        **{_cache_kwarg(module): _select_rows(cache, prefix)},
         use_cache=True,
     ).logits
     return torch.cat([hidden, suffix], 1)
@@ -298,14 +298,24 @@ def _select_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
 def supports_prefix_cache(model: torch.nn.Module) -> bool:
     """The model's forward takes a KV cache and position ids, and every layer attends to
     the whole past (a sliding window would see a different past through a cache)."""
-    forward = getattr(model.forward, "__func__", model.forward)
-    return _takes_cache_and_positions(forward) and full_attention(model.config)
+    return _cache_kwarg(model) is not None and full_attention(model.config)
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str | None:
+    """The name of the KV-cache argument of `model.forward` (transformers 5 renamed
+    `past_key_values` to `cache`), or None when it takes no cache and position ids. A peft
+    wrapper passes the argument on to its base model, which names it."""
+    base = getattr(model, "get_base_model", None)
+    model = base() if base is not None else model
+    return _forward_cache_kwarg(getattr(model.forward, "__func__", model.forward))
 
 
 @functools.lru_cache(maxsize=64)
-def _takes_cache_and_positions(forward) -> bool:
+def _forward_cache_kwarg(forward) -> str | None:
     params = inspect.signature(forward).parameters  # ~0.1 ms: once per forward function
-    return "past_key_values" in params and "position_ids" in params
+    if "position_ids" not in params:
+        return None
+    return next((n for n in ("cache", "past_key_values") if n in params), None)
 
 
 def _right_pad(rows: list[list[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ Simplifications: master weights and optimizer state are always float32;
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import warnings
@@ -47,6 +48,8 @@ from nexrl.training.shared_prefix import (
     supports_prefix_cache,
 )
 from nexrl.types import Batch
+
+logger = logging.getLogger(__name__)
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask")
 SUMMED_METRICS = ("loss", "entropy")  # plus every name ending in "_loss"
@@ -233,11 +236,14 @@ class TorchTrainEngine:
             reason = "it needs one rank and padded (not packed) micro-batches"
         elif not _can_chunk(hf_model, self.config) or not supports_prefix_cache(hf_model):
             reason = "the model needs a plain linear head and a full-attention KV cache"
-        elif hf_model.training and getattr(hf_model, "is_gradient_checkpointing", False):
+        elif hf_model.training and _checkpointing(hf_model):
             reason = "gradient checkpointing disables the KV cache in training"
-        if reason and self.config.shared_prefix and not self._warned_shared_prefix:
+        if reason and not self._warned_shared_prefix:
             self._warned_shared_prefix = True
-            warnings.warn(f"shared_prefix=True: plain forward, {reason}", stacklevel=3)
+            if self.config.shared_prefix:
+                warnings.warn(f"shared_prefix=True: plain forward, {reason}", stacklevel=3)
+            else:
+                logger.info("shared_prefix (auto): plain forward, %s", reason)
         return reason is None
 
     # ---------------------------------------------------------------- training
@@ -385,7 +391,8 @@ class TorchTrainEngine:
     def _prepare(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
         if trainable and self.config.gradient_checkpointing:
             # non-reentrant: gradients also reach adapters behind frozen embeddings (LoRA)
-            model.gradient_checkpointing_enable({"use_reentrant": False})
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
+            (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
             model.config.use_cache = False
         if not trainable:
             model.eval().requires_grad_(False)
@@ -405,6 +412,13 @@ def _can_chunk(model: torch.nn.Module, config: EngineConfig) -> bool:
     softcap = getattr(model.config, "final_logit_softcapping", None)
     sharded = config.dp_strategy == "fsdp2" and _world_size() > 1
     return isinstance(head, torch.nn.Linear) and head.bias is None and not softcap and not sharded
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation checkpointing is on (transformers 5 renamed the flag)."""
+    name = "is_activation_checkpointing"
+    name = name if hasattr(type(model), name) else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
 
 
 def _world_size() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -245,7 +246,7 @@ def spy(monkeypatch) -> list[int]:
     return calls
 
 
-def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch):
+def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch, caplog):
     calls = spy(monkeypatch)
     batch = grouped_batch()
     engine(tiny_model).compute_logprobs(batch)  # auto: on
@@ -253,7 +254,9 @@ def test_fallbacks_take_the_plain_path(tiny_model, monkeypatch):
     engine(tiny_model, shared_prefix=False).compute_logprobs(batch)
     engine(tiny_model).compute_logprobs(batch.select([0, 4, 7, 8]))  # nothing shared
     engine(tiny_model, logprob_positions="all").compute_logprobs(batch)  # prompt wanted too
-    engine(tiny_model, use_packing=True).compute_logprobs(batch)
+    with caplog.at_level("INFO", logger="nexrl.training.torch_engine"):
+        engine(tiny_model, use_packing=True).compute_logprobs(batch)
+    assert "shared_prefix (auto): plain forward, it needs one rank" in caplog.text
     checkpointed = engine(tiny_model, shared_prefix=True, gradient_checkpointing=True)
     with pytest.warns(UserWarning, match="gradient checkpointing"):
         checkpointed.train_batch(batch, "ppo_clip", PPO)
@@ -350,14 +353,14 @@ def test_dense_mask_equals_transformers_mask_on_real_queries(tiny_model):
     config = AutoConfig.from_pretrained(tiny_model)
     config._attn_implementation = "sdpa"
     key_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    theirs = create_causal_mask(
-        config=config,
-        input_embeds=torch.zeros(3, 5, 1),
-        attention_mask=key_mask,
-        cache_position=torch.arange(5),
-        past_key_values=None,
-        position_ids=None,
-    )
+    # transformers 5 renamed input_embeds / past_key_values and dropped cache_position
+    params = inspect.signature(create_causal_mask).parameters
+    embeds = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
+    cache = "cache" if "cache" in params else "past_key_values"
+    kwargs = {embeds: torch.zeros(3, 5, 1), cache: None}
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(5)
+    theirs = create_causal_mask(config=config, attention_mask=key_mask, position_ids=None, **kwargs)
     ours = causal_padding_mask(key_mask, 5)
     real = key_mask.bool()[:, None, :, None].expand_as(ours)
     assert torch.equal(ours[real], theirs[real])
