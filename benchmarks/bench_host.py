@@ -118,8 +118,9 @@ def nexrl_steps(parts: tuple[Any, ...], rows: list[dict[str, Any]]) -> None:
     for start in range(0, len(rows), PROMPTS):
         for i, row in enumerate(rows[start : start + PROMPTS]):
             data = {k: v for k, v in row.items() if k != "texts"}
-            worker.current_task = Task(data=data, task_id=start + i)
-            if worker.step(data) != "success":
+            task = Task(data=data, task_id=start + i)
+            worker.current_task = task
+            if worker.step(task) != "success":
                 raise RuntimeError(f"task {data['uid']}: the worker's step did not succeed")
         processor._fit(pool.get_batch(), "train")
         batches.get_batch("default")

@@ -36,7 +36,7 @@ from typing import Any
 
 from _machine import add_out_arguments, command, machine, results_dir
 
-from nexrl import execute as execute_module
+import nexrl.execute as execute_module
 from nexrl.config import load_config
 from nexrl.config.schema import RayConfig
 from nexrl.controller import NexRLController
