@@ -36,10 +36,10 @@ from typing import Any
 
 from _machine import add_out_arguments, command, machine, results_dir
 
-import nexrl.execute as execute_module
 from nexrl.config import load_config
 from nexrl.config.schema import RayConfig
 from nexrl.controller import NexRLController
+from nexrl.execute import REMOTE_CALLS
 
 SMOKE = [
     "trajectory_pool.batch_size=8",
@@ -62,7 +62,7 @@ def ray_calls(controller: NexRLController) -> dict[str, int]:
     import ray
 
     actors = controller.system.resource_manager.actors.values()
-    total = Counter(execute_module.REMOTE_CALLS)
+    total = Counter(REMOTE_CALLS)
     for counts in ray.get([a.call_counts.remote() for a in actors]):
         total.update(counts)
     return dict(total)
@@ -81,7 +81,7 @@ def one_run(mode: str, steps: int, out: str, extra: list[str]) -> dict[str, Any]
             *extra,
         ]
     )
-    execute_module.REMOTE_CALLS.clear()
+    REMOTE_CALLS.clear()
     t0 = time.perf_counter()
     controller = NexRLController(cfg)
     t1 = time.perf_counter()

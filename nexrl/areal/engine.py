@@ -131,6 +131,13 @@ class InferenceEngine:
         if isinstance(req, proto.GenerationRequest):
             return await self.engine.agenerate(req)
         ids = list(req.input_ids)
+        if any(not isinstance(t, int) for t in ids):
+            bad = next(t for t in ids if not isinstance(t, int))
+            raise ValueError(
+                f"LLMRequest.input_ids must be token ids (int), got {type(bad).__name__} "
+                f"{bad!r}; transformers 5's apply_chat_template returns a dict unless "
+                "return_dict=False"
+            )
         if not ids:
             if req.text is None:
                 raise ValueError("LLMRequest needs `text` or `input_ids`, both are empty")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -142,8 +143,9 @@ class MyToolExecutorWorkflow:  # the seed's second `MyRolloutWorkflow`
 
 def test_the_tool_executor_workflow_appends_tool_ids_between_turns(add_engine):
     tok = add_engine.tokenizer
+    # CHANGED: return_dict=False (transformers 5 returns a dict by default)
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "2+3?"}], add_generation_prompt=True
+        [{"role": "user", "content": "2+3?"}], add_generation_prompt=True, return_dict=False
     )
     workflow = MyToolExecutorWorkflow(Config(), tok)
     batch = add_engine.rollout_batch([{"input_ids": list(prompt)}], workflow)
@@ -167,3 +169,10 @@ def reward_fn(
 
 def test_the_reward_signature_runs_as_written():
     assert reward_fn("p", "c", [1], [2], solutions=["x"]) is None
+
+
+def test_an_llm_request_of_non_ids_is_one_clear_error(add_engine):
+    import asyncio
+
+    with pytest.raises(ValueError, match="return_dict=False"):
+        asyncio.run(add_engine.agenerate(LLMRequest(input_ids=["input_ids", "attention_mask"])))
