@@ -128,12 +128,20 @@ def test_a_push_under_paused_requests_lets_them_finish_on_new_weights(
     client = LLMServiceClient(vllm_config)
     perturbed_weights(tiny_model_path, tmp_path / "w")
     out: dict = {}
-    thread = long_request(client, "kept", out)
-    client.pause()
-    client.update_weights(WeightUpdateMeta(version=2, path=str(tmp_path / "w")))
-    client.resume()
-    thread.join(120)
-    result = out["kept"]
+    for i, wait_s in enumerate((0.5, 0.2, 0.05, 0.01)):
+        thread = long_request(client, f"kept-{i}", out, wait_s)
+        client.pause()
+        in_flight = thread.is_alive()  # the pause caught the request mid-way
+        if not in_flight:
+            client.resume()
+            continue
+        client.update_weights(WeightUpdateMeta(version=2, path=str(tmp_path / "w")))
+        client.resume()
+        thread.join(120)
+        break
+    else:
+        raise AssertionError("every request finished before the pause landed")
+    result = out[f"kept-{i}"]
     assert result["finish_reason"] == "length" and len(result["response_ids"]) == 200
     # started on version 0: vLLM reports no per-token version, so the older one counts
     assert result["model_version"] == 0 and client.version == 2
