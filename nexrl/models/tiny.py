@@ -56,8 +56,13 @@ def build_char_tokenizer(path: str | os.PathLike):
     # transformers 5 loads every qwen2 tokenizer as `Qwen2Tokenizer` (rebuilt from the
     # vocabulary: this one then drops spaces and newlines) unless the config has an
     # `auto_map`; naming the class there makes 4.x and 5.x load this file as it is.
+    # transformers 5 writes its own class name (`TokenizersBackend`), which 4.x does
+    # not know (it then asks for remote code): the cache is shared by both, so the
+    # file names the class both have.
     config_file = Path(path) / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
+    config.pop("backend", None)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     return tok
@@ -105,7 +110,7 @@ def build_tiny_qwen2(
 
 
 # Bump when the tokenizer or the architecture changes, so that a stale cache is not reused.
-DEFAULT_MODEL_VERSION = 3  # 3: tokenizer_config auto_map (transformers 5)
+DEFAULT_MODEL_VERSION = 4  # 4: a class name transformers 4 and 5 both know
 
 
 def default_model_path() -> Path:
