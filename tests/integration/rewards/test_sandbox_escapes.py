@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from nexrl.rewards.sandbox import Sandbox, SandboxUnavailableError, _world_accessible
+from nexrl.rewards.sandbox import Sandbox, SandboxUnavailableError
+from nexrl.rewards.sandbox_bwrap import world_accessible
 from nexrl.rewards.sandbox_io import authentic
 
 HERE = Path(__file__).resolve().parent
@@ -53,9 +54,9 @@ def _unprivileged_command(tmp: Path, kind: str) -> tuple[list[str], dict[str, st
     for path in [tmp, *tmp.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     python = sys.executable
-    if not _world_accessible(Path(python)):
+    if not world_accessible(Path(python)):
         python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    assert _world_accessible(Path(python)), f"no interpreter that nobody can run ({python})"
+    assert world_accessible(Path(python)), f"no interpreter that nobody can run ({python})"
     paths = [str(tmp), *site.getsitepackages()]
     own = tmp / "own"  # a temp dir of its own
     own.mkdir()
