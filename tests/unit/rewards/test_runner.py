@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from nexrl.rewards import exact_match, shift_letters
-from nexrl.rewards import runner as runner_module
+from nexrl.rewards import executors as executors_module
 from nexrl.rewards.runner import (
     PreparedReward,
     RewardCall,
@@ -334,7 +334,7 @@ class _CountingCondition(threading.Condition):
 def test_a_group_wakes_its_caller_once(monkeypatch) -> None:
     # a wake-up per result was a thread switch per sample (256 a step by default)
     conds: list[_CountingCondition] = []
-    init = runner_module._InOrderJob.__init__
+    init = executors_module.InOrderJob.__init__
 
     def counting_init(self, calls: int) -> None:
         init(self, calls)
@@ -345,7 +345,7 @@ def test_a_group_wakes_its_caller_once(monkeypatch) -> None:
         time.sleep(0.005)  # the caller is waiting before each result
         return float(len(completion))
 
-    monkeypatch.setattr(runner_module._InOrderJob, "__init__", counting_init)
+    monkeypatch.setattr(executors_module.InOrderJob, "__init__", counting_init)
     with RewardRunner(slow, timeout_s=5) as runner:
         outs = runner.score_many(_group(16))
     assert [o.reward for o in outs] == [float(len(c.completion)) for c in _group(16)]
