@@ -33,6 +33,17 @@ UPLOAD_DONE = ".nexrl_upload_done"
 the version. The inference side loads only once it exists."""
 
 
+def config_option(config: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
+    """`config[key]` (a mapping) or `config.key` (a dataclass), `default` when unset or None."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        value = config.get(key, default)
+    else:
+        value = getattr(config, key, default)
+    return default if value is None else value
+
+
 class WeightUpdateFuture(concurrent.futures.Future):
     """A `concurrent.futures.Future` that can also be awaited."""
 
@@ -58,11 +69,7 @@ class InferenceEngine:
         self._consumed: dict[str, tuple[int, int]] = {}  # path -> upload marker loaded
 
     def _opt(self, key: str, default: Any = None) -> Any:
-        cfg = self.config
-        if cfg is None:
-            return default
-        value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-        return default if value is None else value
+        return config_option(self.config, key, default)
 
     # -- control ----------------------------------------------------------------------
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from nexrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from nexrl.algorithms.objective import compute_loss
-from nexrl.areal.engine import UPLOAD_DONE, WeightUpdateFuture
+from nexrl.areal.engine import UPLOAD_DONE, WeightUpdateFuture, config_option
 from nexrl.areal.types import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from nexrl.training import checkpoint
 from nexrl.training.critic import ValueEngine, gae, value_loss
@@ -65,11 +65,7 @@ class TrainEngine:
         self.engine: Any = None
 
     def _opt(self, key: str, default: Any = None) -> Any:
-        cfg = self.config
-        if cfg is None:
-            return default
-        value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-        return default if value is None else value
+        return config_option(self.config, key, default)
 
     # -- control ----------------------------------------------------------------------
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None) -> None:
