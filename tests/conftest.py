@@ -15,6 +15,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 _USER_NEXRL_HOME = os.environ.get("NEXRL_HOME") or os.path.expanduser("~/.cache/nexrl")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`) the `ray` tests run on one worker, one
+    after another: two local Ray clusters at once would share this machine's 2 CPUs."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     from nexrl.models.tiny import build_tiny_qwen2
