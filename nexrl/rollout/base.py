@@ -344,18 +344,17 @@ class BaseRolloutWorker(LoopModule):
         return True
 
     def _fill_from_client(self, traj: Trajectory) -> None:
-        """Token ids, logprobs and versions of the client sample whose `response` object
-        `traj` carries. Identity, not equal text: two episodes that end in the same words
-        are different samples with different token ids."""
-        recent = getattr(self._llm_client, "recent_samples", None)
-        response = traj.get("response")
-        for sample in reversed(recent() if recent is not None else []):
-            if sample.get("response") is response:
-                for key in (*_TOKEN_KEYS, *_VERSION_KEYS):
-                    if traj.get(key) is None:
-                        traj[key] = sample.get(key)
-                traj.setdefault("loss_mask", [1] * len(traj["response_ids"]))
-                return
+        """Token ids, logprobs and versions of the client sample whose `response` `traj`
+        carries: the client's result text names its sample (`SampleText`), so two
+        episodes that end in the same words (or both in "") get their own samples."""
+        sample_of = getattr(self._llm_client, "sample_of", None)
+        sample = sample_of(traj.get("response")) if sample_of is not None else None
+        if sample is None:
+            return
+        for key in (*_TOKEN_KEYS, *_VERSION_KEYS):
+            if traj.get(key) is None:
+                traj[key] = sample.get(key)
+        traj.setdefault("loss_mask", [1] * len(traj["response_ids"]))
 
     def score(self, row: dict[str, Any], sample: dict[str, Any]) -> float:
         """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its
