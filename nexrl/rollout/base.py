@@ -27,9 +27,11 @@ the worker and the task (the task is retried, then counted failed), never a wait
 Trajectories are completed before they are handed on: `uid`, `task_id` and
 `model_tag` come from the current task and client; a trajectory written as in the
 seed's custom-worker example (prompt and response text only) gets its token ids,
-logprobs and versions from the client result it came from (the very `response`
-object, not equal text), and its reward from `reward_fn` when it has none. A
-trajectory still missing a required key raises an error that names it.
+logprobs and versions from the client result it came from (the `response` text the
+client returned names its sample; equal text does not), and its reward from
+`reward_fn` when it has none. A trajectory still missing a required key raises an
+error that names it. The trajectories of an episode that made several share an
+`episode_id`: the group's advantage statistics count the episode once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -296,6 +299,10 @@ class BaseRolloutWorker(LoopModule):
         as one unit once the step is done; validation trajectories go to the validator."""
         task, tag = self.current_task, self._model_tag()
         done = [[self._complete_trajectory(t, task, tag) for t in e] for e in episodes]
+        for episode in (e for e in done if len(e) > 1):  # counted once in its group's
+            eid = uuid.uuid4().hex  # statistics (nexrl/algorithms/advantages.py)
+            for t in episode:
+                t.setdefault("episode_id", eid)
         if task is not None and task.is_validate:
             for episode in done:
                 for t in episode:
