@@ -49,25 +49,34 @@ def group_stats(
             f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} "
             "must both be (N,)"
         )
-    weights = torch.ones_like(rewards)
-    if episode_index is not None:
-        if episode_index.shape != rewards.shape:
-            raise ValueError(
-                f"episode_index {tuple(episode_index.shape)} must be (N,) like rewards "
-                f"{tuple(rewards.shape)}"
-            )
-        _, in_episode, sizes = torch.unique(episode_index, return_inverse=True, return_counts=True)
-        weights = 1.0 / sizes[in_episode].to(rewards.dtype)
-    _, inverse = torch.unique(group_index, return_inverse=True)
-    groups = int(inverse.max()) + 1 if len(inverse) else 0
-    counts = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, inverse, weights).round()
-    sums = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, inverse, rewards * weights)
+    if episode_index is None:
+        _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+        weights = None
+    else:
+        weights = _episode_weights(episode_index, rewards)
+        _, inverse = torch.unique(group_index, return_inverse=True)
+        size = int(inverse.max()) + 1 if len(inverse) else 0
+        episodes = torch.zeros(size, dtype=rewards.dtype).index_add_(0, inverse, weights)
+        counts = episodes.round().long()
+    values = rewards if weights is None else rewards * weights
+    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, values)
     mean = (sums / counts)[inverse]
-    sq = torch.zeros(groups, dtype=rewards.dtype).index_add_(
-        0, inverse, weights * (rewards - mean) ** 2
-    )
+    dev = (rewards - mean) ** 2
+    dev = dev if weights is None else dev * weights
+    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, dev)
     var = sq / (counts - 1).clamp(min=1)
-    return mean, var.sqrt()[inverse], counts.long()[inverse]
+    return mean, var.sqrt()[inverse], counts[inverse]
+
+
+def _episode_weights(episode_index: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """(N,): 1 / the number of samples of each sample's episode."""
+    if episode_index.shape != rewards.shape:
+        raise ValueError(
+            f"episode_index {tuple(episode_index.shape)} must be (N,) like rewards "
+            f"{tuple(rewards.shape)}"
+        )
+    _, in_episode, sizes = torch.unique(episode_index, return_inverse=True, return_counts=True)
+    return 1.0 / sizes[in_episode].to(rewards.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
