@@ -58,6 +58,7 @@ from nexrl.distributed.recovery import (
 from nexrl.execute import ModuleDiedError, execute
 from nexrl.monitoring import should_stop
 from nexrl.monitoring.dashboard import Dashboard, pipeline_state_fn
+from nexrl.monitoring.ledger import restore_ledger
 from nexrl.monitoring.progress import StallReporter, describe_stall
 from nexrl.run_setup import (
     find_latest_checkpoint,
@@ -282,13 +283,17 @@ class NexRLController:
         """Fresh start: both sides loaded `model_path` (version 0). Resume: load and push."""
         path = self._load_resume_checkpoint()
         if path is not None:
-            self._restore_checkpoint(path)
+            self._restore_checkpoint(path, ledger=True)
 
-    def _restore_checkpoint(self, path: str) -> int:
+    def _restore_checkpoint(self, path: str, ledger: bool = False) -> int:
         """Weights, optimizer and step, the loader state and the pending tasks of `path`;
-        the weights are pushed as version `step`. Returns the step."""
+        the weights are pushed as version `step`. Returns the step. `ledger`: a resumed
+        run (not a Ray rewind, whose tracker kept its counts) also takes the task ledger's
+        counts (nexrl/monitoring/ledger.py)."""
         s = self.system
         path, state = self._load_or_fall_back(path)
+        if ledger:
+            restore_ledger(self.activity_tracker, state.get("ledger"))
         if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
             try:
                 execute(s.dataloader.load_state_dict, state["dataloader"])

@@ -12,6 +12,13 @@ KL reward penalty (`kl.apply_kl_penalty`) produces; its returns are then the
 
 Estimators take only the keyword arguments they use: config passes its keys
 straight through, and a misspelt key must raise instead of being ignored.
+
+Groups are formed by episode. An agent episode whose turns did not merge into one
+sample made several samples, all carrying the episode's reward; the processor then
+passes `episode_index` (N,) to the estimators that take it, and their group
+statistics count each episode once (`group_stats`), so every sample of an episode
+gets the episode's advantage. REINFORCE++ takes no groups: its whitening is over
+response tokens, and an episode's tokens are in its samples once.
 """
 
 from __future__ import annotations
@@ -23,19 +30,53 @@ from nexrl.algorithms.registry import Registry
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "algorithm.advantage_estimator")
 
 
-def group_stats(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-sample mean, std (unbiased, 0 for singletons) and size of its group, each (N,)."""
+def group_stats(
+    rewards: torch.Tensor,  # (N,)
+    group_index: torch.Tensor,  # (N,)
+    episode_index: torch.Tensor | None = None,  # (N,)
+) -> tuple[torch.Tensor, ...]:
+    """Per-sample mean, std (unbiased, 0 for singletons) and size of its group, each (N,).
+
+    `episode_index`: samples of one episode share an index (an agent episode whose turns
+    did not merge made several samples). Each episode then counts once, however many
+    samples it made: a sample weighs 1 / its episode's sample count, a group's size is its
+    number of episodes and the unbiased variance divides by episodes - 1. When an
+    episode's samples carry its one reward, these are the statistics of the episodes'
+    rewards (verl-agent's episode-level baseline, `compute_mean_std_cross_steps=False`).
+    """
     if rewards.shape != group_index.shape or rewards.dim() != 1:
         raise ValueError(
             f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} "
             "must both be (N,)"
         )
-    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    if episode_index is None:
+        _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+        weights = None
+    else:
+        weights = _episode_weights(episode_index, rewards)
+        _, inverse = torch.unique(group_index, return_inverse=True)
+        size = int(inverse.max()) + 1 if len(inverse) else 0
+        episodes = torch.zeros(size, dtype=rewards.dtype).index_add_(0, inverse, weights)
+        counts = episodes.round().long()
+    values = rewards if weights is None else rewards * weights
+    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, values)
     mean = (sums / counts)[inverse]
-    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, (rewards - mean) ** 2)
+    dev = (rewards - mean) ** 2
+    dev = dev if weights is None else dev * weights
+    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, dev)
     var = sq / (counts - 1).clamp(min=1)
     return mean, var.sqrt()[inverse], counts[inverse]
+
+
+def _episode_weights(episode_index: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """(N,): 1 / the number of samples of each sample's episode."""
+    if episode_index.shape != rewards.shape:
+        raise ValueError(
+            f"episode_index {tuple(episode_index.shape)} must be (N,) like rewards "
+            f"{tuple(rewards.shape)}"
+        )
+    _, in_episode, sizes = torch.unique(episode_index, return_inverse=True, return_counts=True)
+    return 1.0 / sizes[in_episode].to(rewards.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -44,9 +85,10 @@ def grpo(
     group_index: torch.Tensor,  # (N,)
     response_mask: torch.Tensor,  # (N, T)
     eps: float = 1e-6,
+    episode_index: torch.Tensor | None = None,  # (N,)
 ) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps), broadcast over response tokens. (N, T)"""
-    mean, std, _ = group_stats(rewards, group_index)
+    mean, std, _ = group_stats(rewards, group_index, episode_index)
     scores = (rewards - mean) / (std + eps)
     return scores[:, None] * response_mask
 
@@ -56,9 +98,10 @@ def dr_grpo(
     rewards: torch.Tensor,  # (N,)
     group_index: torch.Tensor,  # (N,)
     response_mask: torch.Tensor,  # (N, T)
+    episode_index: torch.Tensor | None = None,  # (N,)
 ) -> torch.Tensor:
     """r - mean_group: GRPO without the std division (Dr.GRPO). (N, T)"""
-    mean, _, _ = group_stats(rewards, group_index)
+    mean, _, _ = group_stats(rewards, group_index, episode_index)
     return (rewards - mean)[:, None] * response_mask
 
 
@@ -67,12 +110,13 @@ def rloo(
     rewards: torch.Tensor,  # (N,)
     group_index: torch.Tensor,  # (N,)
     response_mask: torch.Tensor,  # (N, T)
+    episode_index: torch.Tensor | None = None,  # (N,)
 ) -> torch.Tensor:
-    """r - mean of the *other* samples of the group; 0 for a group of one. (N, T)
+    """r - mean of the *other* samples (episodes) of the group; 0 for a group of one. (N, T)
 
     Equal to n / (n - 1) * (r - mean_group) for a group of n.
     """
-    mean, _, counts = group_stats(rewards, group_index)
+    mean, _, counts = group_stats(rewards, group_index, episode_index)
     n = counts.to(rewards.dtype)
     scores = torch.where(counts > 1, (rewards - mean) * n / (n - 1).clamp(min=1), 0.0)
     return scores[:, None] * response_mask
@@ -98,15 +142,17 @@ def reinforce_plus_plus_baseline(
     response_mask: torch.Tensor,  # (N, T)
     gamma: float = 1.0,
     eps: float = 1e-8,
+    episode_index: torch.Tensor | None = None,  # (N,)
 ) -> torch.Tensor:
     """REINFORCE++-baseline: subtract the group-mean total reward, then whiten the batch. (N, T)
 
-    The baseline of a sample is the mean over its group of the summed
-    (undiscounted) rewards; it is subtracted from the return of every token.
+    The baseline of a sample is the mean over its group (of episodes, with
+    `episode_index`) of the summed (undiscounted) rewards; it is subtracted from the
+    return of every token.
     """
     mask = response_mask.to(rewards.dtype)
     totals = rewards if rewards.dim() == 1 else (rewards * mask).sum(-1)
-    baseline, _, _ = group_stats(totals, group_index)
+    baseline, _, _ = group_stats(totals, group_index, episode_index)
     returns = _returns(rewards, response_mask, gamma) - baseline[:, None] * mask
     return _whiten(returns, response_mask, eps)
 

@@ -8,6 +8,7 @@ side's old logprobs and runs the named loss.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import statistics
@@ -106,6 +107,20 @@ def group_index(uids: list[Any]) -> torch.Tensor:
     """(N,) long: samples sharing a uid share an index, in order of first appearance."""
     seen: dict[Any, int] = {}
     return torch.tensor([seen.setdefault(u, len(seen)) for u in uids], dtype=torch.long)
+
+
+def episode_index(columns: Columns) -> torch.Tensor | None:
+    """(N,) long: the trajectories of one episode share an index. A rollout worker gives
+    the trajectories of an episode that made several (an agent episode whose turns did not
+    merge) one `episode_id`; any other trajectory is an episode of its own. None when no
+    trajectory has an `episode_id` (every trajectory is an episode)."""
+    ids = _column(columns, "episode_id")
+    if all(e is None for e in ids):
+        return None
+    seen: dict[Any, int] = {}
+    pairs = enumerate(zip(columns["uid"], ids, strict=True))
+    keys = [i if e is None else (u, e) for i, (u, e) in pairs]
+    return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.long)
 
 
 def rewards_of(columns: Columns) -> list[float]:
@@ -304,6 +319,9 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         super().__init__(config, context)
         self._estimator = ADVANTAGE_ESTIMATORS.get(config.advantage_estimator)
         self._estimator_kwargs = dict(config.advantage_kwargs or {})
+        # estimators with group statistics count each episode once (advantages.py)
+        params = inspect.signature(self._estimator).parameters
+        self._by_episode = "episode_index" in params
 
     def _shaped_rewards(
         self, columns: Columns, values: dict[str, Any]
@@ -345,8 +363,12 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             values["loss_mask"] = mask_truncated(values["loss_mask"], columns["finish_reason"])
         rewards, shaping_metrics = self._shaped_rewards(columns, values)
         values["rewards"] = rewards
+        kwargs = dict(self._estimator_kwargs)
+        episodes = episode_index(columns) if self._by_episode else None
+        if episodes is not None:
+            kwargs["episode_index"] = episodes
         values["advantages"] = self._estimator(
-            rewards, group_index(columns["uid"]), values["loss_mask"], **self._estimator_kwargs
+            rewards, group_index(columns["uid"]), values["loss_mask"], **kwargs
         )
         if self._context.warn_truncated:
             warn_if_truncated(columns, self._context.max_tokens)

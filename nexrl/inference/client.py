@@ -19,7 +19,8 @@ import itertools
 import sys
 import threading
 import time
-from collections import deque
+import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -98,6 +99,24 @@ def sampling_from_kwargs(kwargs: Mapping[str, Any]) -> SamplingParams:
     )
 
 
+class SampleText(str):
+    """A sample's text as the client returns it (`result["response"]`): a `str` that names
+    its sample (`sample_id`), so that a trajectory written with this text only is completed
+    with this sample's token ids (`LLMServiceClient.sample_of`). A `str` subclass is never
+    interned: two samples that both answer "" or "7" are two objects with two ids (plain
+    empty and one-character strings are one shared object each in CPython)."""
+
+    sample_id: str
+
+    def __new__(cls, text: str, sample_id: str) -> SampleText:
+        obj = super().__new__(cls, text)
+        obj.sample_id = sample_id
+        return obj
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (SampleText, (str(self), self.sample_id))
+
+
 def result_dict(prompt: Any, response: GenerationResponse, version: int) -> dict[str, Any]:
     """The client's result: top level = first choice, `choices` = every sample."""
     choices = [
@@ -164,7 +183,10 @@ class LLMServiceClient:
             reraise=True,
         )
         self.freeze_for_weight_sync = section.freeze_for_weight_sync
-        self._recent: deque[tuple[dict, dict]] = deque(maxlen=RECENT_SAMPLES)
+        # sample_id -> (shared, choice) of the latest samples (see `_record`)
+        self._recent: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
+        self._recent_lock = threading.Lock()
+        self._sample_ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self._controller: Any = None
         self._engine: InferenceEngine | None = None
         self._remote = None
@@ -211,16 +233,39 @@ class LLMServiceClient:
         return self._record(self._retrying(self._local_generate, prompt, ids, kwargs))
 
     def _record(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Keep the latest samples (token ids, logprobs, versions), so that a trajectory
-        written with response text only can be completed token-exactly."""
+        """Keep the latest samples (token ids, logprobs, versions) by sample id, so that a
+        trajectory written with response text only can be completed token-exactly: each
+        choice's `response` becomes a `SampleText` naming its sample (the top level's is
+        the first choice's object)."""
         shared = {k: v for k, v in result.items() if k != "choices"}
         # (shared, choice) pairs, merged when read: most runs never read them
-        self._recent.extend(zip(itertools.repeat(shared), result.get("choices") or []))
+        choices = result.get("choices") or []
+        with self._recent_lock:
+            for choice in choices:
+                sid = next(self._sample_ids)
+                if isinstance(choice.get("response"), str):
+                    choice["response"] = SampleText(choice["response"], sid)
+                self._recent[sid] = (shared, choice)
+            while len(self._recent) > RECENT_SAMPLES:
+                self._recent.popitem(last=False)
+        if choices:
+            result["response"] = choices[0]["response"]
         return result
 
     def recent_samples(self) -> list[dict[str, Any]]:
         """The latest samples this client returned, oldest first."""
-        return [{**shared, **choice} for shared, choice in list(self._recent)]
+        with self._recent_lock:
+            pairs = list(self._recent.values())
+        return [{**shared, **choice} for shared, choice in pairs]
+
+    def sample_of(self, response: Any) -> dict[str, Any] | None:
+        """The recent sample whose `response` this is (the `SampleText` object this client
+        returned, or one pickled from it), or None: text that is only equal to a sample's,
+        a sample of another client, or one older than the last `RECENT_SAMPLES`."""
+        sid = getattr(response, "sample_id", None)
+        with self._recent_lock:
+            pair = self._recent.get(sid) if isinstance(sid, str) else None
+        return None if pair is None else {**pair[0], **pair[1]}
 
     def generate(
         self, messages: list[dict], *, tools: list[dict] | None = None, **kwargs: Any

@@ -27,9 +27,11 @@ the worker and the task (the task is retried, then counted failed), never a wait
 Trajectories are completed before they are handed on: `uid`, `task_id` and
 `model_tag` come from the current task and client; a trajectory written as in the
 seed's custom-worker example (prompt and response text only) gets its token ids,
-logprobs and versions from the client result it came from (the very `response`
-object, not equal text), and its reward from `reward_fn` when it has none. A
-trajectory still missing a required key raises an error that names it.
+logprobs and versions from the client result it came from (the `response` text the
+client returned names its sample; equal text does not), and its reward from
+`reward_fn` when it has none. A trajectory still missing a required key raises an
+error that names it. The trajectories of an episode that made several share an
+`episode_id`: the group's advantage statistics count the episode once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -296,6 +299,10 @@ class BaseRolloutWorker(LoopModule):
         as one unit once the step is done; validation trajectories go to the validator."""
         task, tag = self.current_task, self._model_tag()
         done = [[self._complete_trajectory(t, task, tag) for t in e] for e in episodes]
+        for episode in (e for e in done if len(e) > 1):  # counted once in its group's
+            eid = uuid.uuid4().hex  # statistics (nexrl/algorithms/advantages.py)
+            for t in episode:
+                t.setdefault("episode_id", eid)
         if task is not None and task.is_validate:
             for episode in done:
                 for t in episode:
@@ -344,18 +351,17 @@ class BaseRolloutWorker(LoopModule):
         return True
 
     def _fill_from_client(self, traj: Trajectory) -> None:
-        """Token ids, logprobs and versions of the client sample whose `response` object
-        `traj` carries. Identity, not equal text: two episodes that end in the same words
-        are different samples with different token ids."""
-        recent = getattr(self._llm_client, "recent_samples", None)
-        response = traj.get("response")
-        for sample in reversed(recent() if recent is not None else []):
-            if sample.get("response") is response:
-                for key in (*_TOKEN_KEYS, *_VERSION_KEYS):
-                    if traj.get(key) is None:
-                        traj[key] = sample.get(key)
-                traj.setdefault("loss_mask", [1] * len(traj["response_ids"]))
-                return
+        """Token ids, logprobs and versions of the client sample whose `response` `traj`
+        carries: the client's result text names its sample (`SampleText`), so two
+        episodes that end in the same words (or both in "") get their own samples."""
+        sample_of = getattr(self._llm_client, "sample_of", None)
+        sample = sample_of(traj.get("response")) if sample_of is not None else None
+        if sample is None:
+            return
+        for key in (*_TOKEN_KEYS, *_VERSION_KEYS):
+            if traj.get(key) is None:
+                traj[key] = sample.get(key)
+        traj.setdefault("loss_mask", [1] * len(traj["response_ids"]))
 
     def score(self, row: dict[str, Any], sample: dict[str, Any]) -> float:
         """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its

@@ -26,6 +26,7 @@ from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
 from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_to_arrays
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
+from nexrl.monitoring.ledger import checkpoint_ledger
 from nexrl.monitoring.samples import with_staleness
 from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
 from nexrl.training.checkpoint import atomic_directory
@@ -191,6 +192,9 @@ class TrainWorker(LoopModule):
             metrics["behavior_old_logprob_absdiff"] = logprob_gap(batch.values)
         step = self._step + 1
         self._log_trained(step, batch)
+        uids = batch.metadata.get("uids") or []
+        # ledger: groups; counted before the step's checkpoint, which keeps the counts
+        self._activity_tracker.increment("tasks_trained", len(set(uids)))
         if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
             with timer.phase("save"):
                 self.save_checkpoint(step)
@@ -200,8 +204,6 @@ class TrainWorker(LoopModule):
         metrics_timing = {**timer.metrics(), **self._last_push}
         self._log(batch, metrics, t0, serving, step, metrics_timing)
         self._activity_tracker.set_training_step(step)
-        uids = batch.metadata.get("uids") or []
-        self._activity_tracker.increment("tasks_trained", len(set(uids)))  # ledger: groups
         t_push = time.perf_counter()
         notify = self._weight_sync_controller.train_worker_notify_weight_update
         extra = () if weights is None else (weights,)  # the tensors travel with the call
@@ -316,7 +318,7 @@ class TrainWorker(LoopModule):
         (a crash mid-save leaves no `global_step_N`; docs/reliability.md)."""
         step = self._step if step is None else step
         path = self._checkpoint_path / f"global_step_{step}"
-        state: dict[str, Any] = {"step": step, **self._task_state(step)}
+        state: dict[str, Any] = {"step": step, **self._task_state(step), **self._ledger()}
         with atomic_directory(path) as staging:
             self._client.save_checkpoint(str(staging))
             (staging / STATE_FILE).write_text(json.dumps(state))
@@ -344,6 +346,13 @@ class TrainWorker(LoopModule):
         if self._dataloader is not None and hasattr(self._dataloader, "state_dict"):
             return {"dataloader": execute(self._dataloader.state_dict)}
         return {}
+
+    def _ledger(self) -> dict[str, Any]:
+        """The task ledger's settled counts, read after `_task_state`'s snapshot, so that a
+        resumed run's end-of-run line covers the whole run (nexrl/monitoring/ledger.py)."""
+        if self._activity_tracker is None:
+            return {}
+        return {"ledger": checkpoint_ledger(execute(self._activity_tracker.get_counters))}
 
     def _log_trained(self, step: int, batch: Batch) -> None:
         """`train_worker.log_trained_uids`: one line per step, flushed before the step's

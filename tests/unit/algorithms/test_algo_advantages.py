@@ -133,3 +133,47 @@ def test_unknown_estimator_kwarg_raises_naming_it():
 def test_unknown_estimator_name_lists_choices():
     with pytest.raises(KeyError, match="rloo"):
         ADVANTAGE_ESTIMATORS.get("gae")
+
+
+# one group of 3 episodes: episode 0 made two samples (reward 1), episodes 1 and 2 one each (0)
+EP_REWARDS = torch.tensor([1.0, 1.0, 0.0, 0.0])
+EP_GROUPS = torch.tensor([0, 0, 0, 0])
+EPISODES = torch.tensor([0, 0, 1, 2])
+
+
+def test_group_stats_count_each_episode_once():
+    from nexrl.algorithms import group_stats
+
+    mean, std, size = group_stats(EP_REWARDS, EP_GROUPS, EPISODES)
+    assert torch.allclose(mean, torch.full((4,), 1 / 3))  # mean of [1, 0, 0], not of 4 samples
+    assert torch.allclose(std, torch.full((4,), math.sqrt((4 / 9 + 2 / 9) / 2)))
+    assert size.tolist() == [3, 3, 3, 3]
+    with pytest.raises(ValueError, match=r"episode_index \(3,\) must be \(N,\)"):
+        group_stats(EP_REWARDS, EP_GROUPS, EPISODES[:3])
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        # episodes [1, 0, 0]: mean 1/3, unbiased std sqrt(1/3)
+        ("grpo", [(2 / 3) / math.sqrt(1 / 3)] * 2 + [(-1 / 3) / math.sqrt(1 / 3)] * 2),
+        ("dr_grpo", [2 / 3, 2 / 3, -1 / 3, -1 / 3]),
+        ("rloo", [1.0, 1.0, -0.5, -0.5]),  # minus the mean of the other episodes
+    ],
+)
+def test_every_sample_of_an_episode_gets_the_episode_advantage(name, expected):
+    mask = torch.ones(4, 2)
+    adv = ADVANTAGE_ESTIMATORS.get(name)(EP_REWARDS, EP_GROUPS, mask, episode_index=EPISODES)
+    assert per_sample(adv, mask) == pytest.approx(expected, abs=1e-5)
+    # without it the two-sample episode counts twice: mean 1/2, not 1/3
+    plain = ADVANTAGE_ESTIMATORS.get(name)(EP_REWARDS, EP_GROUPS, mask)
+    assert per_sample(plain, mask)[0] != pytest.approx(expected[0], abs=1e-3)
+
+
+def test_reinforce_plus_plus_baseline_counts_each_episode_once():
+    mask = torch.ones(4, 1)
+    fn = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus_baseline")
+    adv = fn(EP_REWARDS, EP_GROUPS, mask, episode_index=EPISODES)
+    returns = torch.tensor([2 / 3, 2 / 3, -1 / 3, -1 / 3])  # reward - baseline 1/3
+    whitened = (returns - returns.mean()) / math.sqrt(returns.var().item() + 1e-8)
+    assert per_sample(adv, mask) == pytest.approx(whitened.tolist(), abs=1e-5)
