@@ -141,3 +141,35 @@ def test_grpo_train_three_steps_moves_loss_kl_and_reward_and_syncs_weights(actor
     served = generation.engine.model.state_dict()
     trained = policy.export_weights()
     assert all(torch.equal(served[k].float(), v.float()) for k, v in trained.items())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_policy_on_a_ray_worker_group_of_two_ranks(ray_local, tiny_model_path, rows):
+    """Seed 002's layering: the policy's ranks are a RayWorkerGroup on a RayVirtualCluster
+    (`RayDataParallelTrainClient`); the loop does not change."""
+    from nexrl.distributed.dp_train import RayDataParallelTrainClient
+    from nexrl.distributed.settings import RaySettings, actor_env
+
+    engine = {"lr": 1e-3, "ref_model_path": tiny_model_path}
+    client = RayDataParallelTrainClient(
+        {},
+        engine,
+        tiny_model_path,
+        bundles_per_node=[2],
+        num_cpus_per_bundle=0.5,
+        env_vars=actor_env(RaySettings()),
+    )
+    client.initialize()
+    policy = Policy(tiny_model_path, client=client)
+    generation = Generation(tiny_model_path, max_new_tokens=6, max_batch_size=16)
+    try:
+        env = RewardEnvironment(f"{__name__}:vowel_share")
+        history = grpo_train(
+            policy, generation, env, batches(rows[:4], 2), loss_fn=GRPOLossFn(kl_coef=0.01)
+        )
+        assert [h["step"] for h in history] == [1, 2] and client.get_step() == 2
+        assert history[-1]["kl"] > 0 and generation.engine.version == 2
+    finally:
+        generation.shutdown()
+        policy.shutdown()
