@@ -293,17 +293,18 @@ class RewardEnvironment:
         self.prompt_key = prompt_key
 
     def step(self, generations: BatchedDataDict) -> list[float]:
-        skip = {self.prompt_key, "response", *GENERATION_KEYS}
-        return [
-            float(
-                self.reward_fn(
-                    r[self.prompt_key],
-                    r["response"],
-                    **{k: v for k, v in r.items() if k not in skip},
-                )
-            )
-            for r in generations.rows()
-        ]
+        """One reward per generation; a reward that raises is re-raised naming the row."""
+        skip = {self.prompt_key, "response", "group", "finish_reason", *GENERATION_KEYS}
+        rewards = []
+        for i, r in enumerate(generations.rows()):
+            row = {k: v for k, v in r.items() if k not in skip}
+            try:
+                rewards.append(float(self.reward_fn(r[self.prompt_key], r["response"], **row)))
+            except Exception as exc:
+                raise ValueError(
+                    f"reward on generation {i} (prompt {r[self.prompt_key]!r}): {exc!r}"
+                ) from exc
+        return rewards
 
 
 def grpo_train(

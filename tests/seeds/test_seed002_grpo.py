@@ -118,6 +118,8 @@ def test_a_step_raises_the_logprob_of_samples_with_positive_advantage(actors, ro
         policy.train(generations, logprobs, None, GRPOLossFn)
     with pytest.raises(ValueError, match="15 rewards for 16 generations"):
         calculate_grpo_training_data(generations, logprobs, None, rewards[:15])
+    with pytest.raises(ValueError, match=r"reward on generation 0 \(prompt '.*>'\): TypeError"):
+        RewardEnvironment(lambda prompt, completion: 1.0).step(generations)  # no **row
 
 
 def test_grpo_train_three_steps_moves_loss_kl_and_reward_and_syncs_weights(actors, rows):
