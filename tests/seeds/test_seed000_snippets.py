@@ -251,6 +251,11 @@ def test_put_validate_trajectory_names_n_samples_when_one_of_several_comes(contr
     assert worker._get_validate_task() is worker.current_task
     with pytest.raises(ValueError, match=r"put 1 trajectories but validate.n_samples=2"):
         worker._put_validate_trajectory({"prompt": "abcd", "response": "x"})
+    # a training task still running when validation began: its trajectory joins its group
+    worker.current_task = Task(data={"prompt": "abcd", "uid": "0-1"})
+    worker._per_thread.episodes = collected = []
+    assert worker._put_validate_trajectory(traj("0-1")) == "success"
+    assert [[t["uid"] for t in e] for e in collected] == [["0-1"]]
     worker.current_task = None
     with pytest.raises(RuntimeError, match="inside step"):
         worker._get_validate_task()
