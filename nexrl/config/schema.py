@@ -40,6 +40,13 @@ class DataConfig:
     """Passes over the data; null cycles forever (training stops at `total_train_steps`)."""
     max_items: int | None = None
     """Use only the first `max_items` rows."""
+    name: str | None = None
+    """Configuration of the dataset at `path` (`datasets.load_dataset(path, name=name)`,
+    e.g. `main` of the Hub's `openai/gsm8k`, read through the datasets cache); null: its
+    only or default one."""
+    map_fn: str | None = None
+    """Row preprocessing `package.module:function`, called as `fn(row, index)` and returning
+    the new row (datasets' `map(with_indices=True)`), before the rows are checked."""
 
 
 @dataclass

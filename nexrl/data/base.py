@@ -258,7 +258,11 @@ class InMemoryDataLoader(BaseDataLoader):
             rows, path = getattr(config, "items", None), getattr(config, "path", None)
         if rows or path is None:
             return rows or []
-        from nexrl.data.hf import load_hf_dataset
+        from nexrl.config.schema import DataConfig
+        from nexrl.data.hf import load_configured, load_hf_dataset
+
+        if isinstance(config, DataConfig):  # its `name`, `max_items` and `map_fn` apply
+            return list(load_configured(config, self._is_validate))
 
         split = getattr(config, "split", None) or "train"
         return list(load_hf_dataset(str(path), split))

@@ -18,7 +18,9 @@ DatasetDicts and data directories, a single file is its own split),
 `prompt_key` ("prompt"), `shuffle` (True for training, False for validation),
 `seed` (0), `num_epochs` (None: training cycles forever; validation always
 makes exactly one pass per `reset`), `max_items` (None: all rows; else the
-first N rows of the file).
+first N rows of the file), `name` (None: the dataset's configuration, as
+`datasets.load_dataset(path, name=...)`), `map_fn` (None: rows as stored; else
+`package.module:function` mapping `(row, index)` to the new row).
 """
 
 from __future__ import annotations
@@ -69,9 +71,7 @@ class HFDataLoader(BaseDataLoader):
         self._num_epochs = 1 if is_validate else epochs
         if self._num_epochs is not None and self._num_epochs < 1:
             raise ValueError(f"data.num_epochs must be >= 1 or null, got {epochs!r}")
-        ds = load_hf_dataset(self._path, config.split)
-        if config.max_items is not None:
-            ds = ds.select(range(min(config.max_items, len(ds))))
+        ds = load_configured(config, is_validate)
         validate_rows(ds, self._prompt_key, self._path)
         self._dataset = ds
         self._blocks = ds.format["type"] is None  # a formatted table is read row by row
@@ -171,6 +171,31 @@ class HFDataLoader(BaseDataLoader):
         with self._lock:
             self._set_epoch(int(state["epoch"]), int(state["position"]))
             self._restore_returned(list(state.get("returned", [])))
+
+
+def load_configured(config: DataConfig, is_validate: bool = False) -> Any:
+    """The table a `data` section names: `path` (with its configuration `name`), its first
+    `max_items` rows, each passed through `map_fn`."""
+    section = "validate.data" if is_validate else "data"
+    path = str(config.path)
+    if config.name is not None:
+        if Path(path).is_file():
+            raise ValueError(
+                f"{section}.name={config.name!r} picks a configuration of a Hub dataset or a "
+                f"dataset folder, but {section}.path {path!r} is a file"
+            )
+        from nexrl.data.hub import load_dataset
+
+        ds = load_dataset(path, config.name, config.split)
+    else:
+        ds = load_hf_dataset(path, config.split)
+    if config.max_items is not None:
+        ds = ds.select(range(min(config.max_items, len(ds))))
+    if config.map_fn:
+        from nexrl.data.hub import apply_map
+
+        ds = apply_map(ds, config.map_fn, f"{section}.map_fn")
+    return ds
 
 
 def load_hf_dataset(path: str, split: str = "train"):

@@ -65,7 +65,7 @@ def load_dataset(
     except (ConnectionError, FileNotFoundError, ValueError) as exc:
         where = "the datasets cache (offline mode)" if _offline() else "the Hub or the cache"
         raise ValueError(
-            f"data.path {path!r} (name={name!r}, split={split!r}) could not be loaded from "
+            f"data.path {path!r} (data.name={name!r}, split={split!r}) could not be loaded from "
             f"{where}: {str(exc).splitlines()[0]}"
         ) from exc
 
@@ -90,10 +90,25 @@ def import_fn(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def apply_map(dataset: Any, fn: Callable[..., Any] | str) -> Any:
-    """`dataset.map(fn, with_indices=True)`: `fn(example, idx)` returns the new row."""
-    func = import_fn(fn) if isinstance(fn, str) else fn
-    return dataset.map(func, with_indices=True)
+def apply_map(dataset: Any, fn: Callable[..., Any] | str, key: str = "map_fn") -> Any:
+    """`dataset.map(fn, with_indices=True)`: `fn(example, idx)` returns the new row. An
+    error in `fn` is re-raised naming `key` (the config key) and the row's index."""
+    if isinstance(fn, str):
+        try:
+            func = import_fn(fn)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"{key}: {exc}") from exc
+    else:
+        func = fn
+    label = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+
+    def row_fn(example: dict[str, Any], idx: int) -> Any:
+        try:
+            return func(example, idx)
+        except Exception as exc:
+            raise ValueError(f"{key} {label!r} failed on row {idx}: {exc!r}") from exc
+
+    return dataset.map(row_fn, with_indices=True)
 
 
 def prepare_dataset(

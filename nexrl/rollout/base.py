@@ -317,6 +317,59 @@ class BaseRolloutWorker(LoopModule):
         collected.extend(done)
         return StepResult.SUCCESS
 
+    # -- validation in a custom step (seed 000 "Validation Usage") ---------------------
+    # While `_is_running_validate` is set, the loop hands `step` tasks of the validation
+    # loader; these members let a step written as in the seed branch on the flag.
+    def _get_validate_task(self) -> Task:
+        """The validation task this step was given. A training task already running when
+        validation began is returned as is: `_put_validate_trajectory` then sends its
+        trajectory to the pool, so neither side gets the other's samples."""
+        task = self.current_task
+        if task is None:
+            raise RuntimeError(
+                f"{type(self).__name__}._get_validate_task: call it inside step(task); "
+                "validation tasks reach step through the worker's loop"
+            )
+        return task
+
+    def _process_task(self, task: Task | dict[str, Any]) -> Trajectory:
+        """One sample for `task`'s prompt (column `data.prompt_key`, text), with the
+        validation temperature on a validation task, as a trajectory of prompt, response
+        and finish reason (tokens, logprobs and reward are filled in when it is put).
+        Override it to roll out your own way."""
+        row = task.data if isinstance(task, Task) else task
+        key = self._context.prompt_key
+        prompt = row.get(key)
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(
+                f"task {row.get('uid')!r}: column {key!r} (data.prompt_key) must be non-empty "
+                f"text for _process_task, got {type(prompt).__name__}"
+            )
+        validate = isinstance(task, Task) and task.is_validate
+        cfg = self._config
+        temperature = self._context.validate_temperature if validate else cfg.temperature
+        result = self._llm_client.completion(
+            prompt, max_tokens=cfg.max_tokens, temperature=temperature
+        )
+        return {
+            "prompt": prompt,
+            "response": result["response"],
+            "finish_reason": result["finish_reason"],
+        }
+
+    def _put_validate_trajectory(self, trajectory: Trajectory | list[Trajectory]) -> StepResult:
+        """Hand a validation task's trajectory (or its `validate.n_samples` trajectories as
+        a list) to the validator. One trajectory where `validate.n_samples` > 1 is an error
+        naming the key (the validation would wait for samples that never come)."""
+        trajs = list(trajectory) if isinstance(trajectory, list) else [trajectory]
+        task, n = self.current_task, self._context.validate_samples
+        if task is not None and task.is_validate and len(trajs) != n:
+            raise ValueError(
+                f"{type(self).__name__}: validation task {task.uid!r} put {len(trajs)} "
+                f"trajectories but validate.n_samples={n}: pass all {n} as a list"
+            )
+        return self._put_episodes([[t] for t in trajs])
+
     def _complete_trajectory(
         self, trajectory: Trajectory, task: Task | None, tag: str
     ) -> Trajectory:

@@ -6,17 +6,20 @@ Changes to a snippet are marked `# CHANGED:`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from nexrl import Batch, GRPOProcessor, NexRLController, NexRLRole
+from nexrl import BaseRolloutWorker, Batch, GRPOProcessor, NexRLController, NexRLRole
 from nexrl.config import load_config
 from nexrl.config.schema import TrajectoryPoolConfig
 from nexrl.execute import execute
 from nexrl.pools.trajectory_pool import PoolRefs, TrajectoryPool, TrajectoryPoolInstance
+from nexrl.types import Task
 from tests.unit.core.test_weight_sync import make as make_weight_sync
 
 
@@ -189,3 +192,70 @@ def test_simple_worker_generates_unscored_groups_a_later_stage_scores(small_over
     final = [x for x in map(json.loads, lines) if "val/num_samples" in x][-1]
     assert final["val/unscored"] == final["val/num_samples"] == 8  # none scored, none lost
     assert "val/reward" not in final
+
+
+# ---- seed: "Validation Usage", the snippet's `step` in a worker class ----
+class SeedValidatingWorker(BaseRolloutWorker):  # CHANGED: the snippet is the body of a worker
+    def step(self, task: dict[str, Any]) -> str | None:
+        # Check if in validation mode
+        if self._is_running_validate:
+            # Use validation dataloader and validator
+            validate_task = self._get_validate_task()
+            trajectory = self._process_task(validate_task)
+            return self._put_validate_trajectory(trajectory)
+        else:
+            # Normal training mode
+            trajectory = self._process_task(task)
+            return self._put_trajectory(trajectory)
+
+
+class CountingValidatingWorker(SeedValidatingWorker):
+    """The seed worker, counting what its validation branch hands to the validator."""
+
+    validated: list[str] = []
+
+    def _put_validate_trajectory(self, trajectory):
+        if self.current_task.is_validate:
+            type(self).validated.append(self.current_task.uid)
+        return super()._put_validate_trajectory(trajectory)
+
+
+@pytest.mark.slow
+def test_validation_usage_snippet_validates_before_and_during_training(small_overrides):
+    CountingValidatingWorker.validated = []
+    controller = NexRLController(
+        load_config(
+            [
+                *small_overrides,
+                f"rollout_worker.type={__name__}:CountingValidatingWorker",
+                "validate.validate_before_train=true",
+                "weight.validate_freq=2",
+            ]
+        )
+    )
+    controller.run()
+    assert metric_steps(controller.run_dir) == [1, 2, 3]
+    lines = (Path(controller.run_dir) / "metrics.jsonl").read_text().splitlines()
+    vals = [x for x in map(json.loads, lines) if "val/num_samples" in x]
+    # before training, after step 2 (validate_freq), and the final weights (step 3)
+    assert [x["step"] for x in vals] == [0, 2, 3]
+    assert all(x["val/num_samples"] == 8 and "val/reward" in x for x in vals)
+    validated = CountingValidatingWorker.validated
+    assert len(validated) == 3 * 8 and all(uid.startswith("val-") for uid in validated)
+
+
+def test_put_validate_trajectory_names_n_samples_when_one_of_several_comes(controller):
+    worker = controller.system.rollout_workers[0]
+    worker._context = dataclasses.replace(worker._context, validate_samples=2)
+    worker.current_task = Task(data={"prompt": "abcd", "uid": "val-0-0"}, is_validate=True)
+    assert worker._get_validate_task() is worker.current_task
+    with pytest.raises(ValueError, match=r"put 1 trajectories but validate.n_samples=2"):
+        worker._put_validate_trajectory({"prompt": "abcd", "response": "x"})
+    # a training task still running when validation began: its trajectory joins its group
+    worker.current_task = Task(data={"prompt": "abcd", "uid": "0-1"})
+    worker._per_thread.episodes = collected = []
+    assert worker._put_validate_trajectory(traj("0-1")) == "success"
+    assert [[t["uid"] for t in e] for e in collected] == [["0-1"]]
+    worker.current_task = None
+    with pytest.raises(RuntimeError, match="inside step"):
+        worker._get_validate_task()
