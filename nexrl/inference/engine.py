@@ -22,6 +22,7 @@ the version that sampled it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -35,6 +36,8 @@ from typing import Any
 
 import torch
 
+from nexrl.config.options import ENGINE_DEFAULTS as _D
+from nexrl.config.options import InferenceEngineConfig
 from nexrl.inference.model_runner import ModelRunner, is_supported, plan_kv_cache
 from nexrl.inference.prefix_cache import MIN_SHARED_TOKENS, PrefixCache
 from nexrl.inference.protocol import (
@@ -66,7 +69,9 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """Continuous-batching `InferenceEngine` for Llama/Qwen2/Qwen3 checkpoints."""
+    """Continuous-batching `InferenceEngine` for Llama/Qwen2/Qwen3 checkpoints. Options:
+    `nexrl.config.options.InferenceEngineConfig` (their defaults and meaning);
+    `Engine.from_config` takes that dataclass."""
 
     supports_streaming = True  # submit(..., on_token=...)
 
@@ -74,22 +79,22 @@ class Engine:
         self,
         model_path: str | Path | None = None,
         *,
-        max_batch_size: int = 128,
-        max_model_len: int | None = None,
-        kv_cache_gib: float | None = None,
-        max_prefill_tokens: int = 8192,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
+        max_batch_size: int = _D.max_batch_size,
+        max_model_len: int | None = _D.max_model_len,
+        kv_cache_gib: float | None = _D.kv_cache_gib,
+        max_prefill_tokens: int = _D.max_prefill_tokens,
+        dtype: str = _D.dtype,
+        device: str = _D.device,
+        seed: int = _D.seed,
         model_and_tokenizer: tuple[Any, Any] | None = None,
-        emulated_step_latency_s: float = 0.0,
-        matmul: str = "auto",
-        native_attention: bool = True,
-        gather_quiet_s: float = 0.002,
-        gather_max_s: float = 0.02,
-        threads: int | None = None,
-        prefix_cache_gib: float = 0.25,
-        cuda_graphs: bool = True,
+        emulated_step_latency_s: float = _D.emulated_step_latency_s,
+        matmul: str = _D.matmul,
+        native_attention: bool = _D.native_attention,
+        gather_quiet_s: float = _D.gather_quiet_s,
+        gather_max_s: float = _D.gather_max_s,
+        threads: int | None = _D.threads,
+        prefix_cache_gib: float = _D.prefix_cache_gib,
+        cuda_graphs: bool = _D.cuda_graphs,
     ) -> None:
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
@@ -139,6 +144,17 @@ class Engine:
         self.stats.update(prompt_tokens=0, prefix_hit_tokens=0)  # hits: read from the prefix cache
         self._thread = threading.Thread(target=self._loop, name="nexrl-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: InferenceEngineConfig,
+        model_path: str | Path | None = None,
+        model_and_tokenizer: tuple[Any, Any] | None = None,
+    ) -> Engine:
+        """An engine with the typed options `config`."""
+        options = dataclasses.asdict(config)
+        return cls(model_path, model_and_tokenizer=model_and_tokenizer, **options)
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -489,7 +505,7 @@ def build_engine(model_path: str | Path | None = None, **options: Any) -> Infere
         from nexrl.models.tiny import default_model_path
 
         model_path = default_model_path()
-    dtype, device = options.pop("dtype", "float32"), options.pop("device", "cpu")
+    dtype, device = options.pop("dtype", _D.dtype), options.pop("device", _D.device)
     model, tok = load_model_and_tokenizer(model_path, dtype, device)
     if is_supported(model):
         return Engine(model_path, model_and_tokenizer=(model, tok), device=device, **options)

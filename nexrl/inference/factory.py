@@ -9,37 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nexrl.config.options import ENGINE_OPTIONS, InferenceEngineConfig, engine_config
 from nexrl.inference.protocol import InferenceEngine
 from nexrl.registry import Registry
-
-ENGINE_OPTIONS = (
-    "max_batch_size",
-    "max_model_len",
-    "dtype",
-    "device",
-    "seed",
-    "emulated_step_latency_s",
-    "kv_cache_gib",
-    "max_prefill_tokens",
-    "matmul",
-    "native_attention",
-    "gather_quiet_s",
-    "gather_max_s",
-    "threads",
-    "prefix_cache_gib",
-    "cuda_graphs",
-)
 
 # Ray mode: the engine lives in named replica actors; run_dir: where a managed server logs
 ROUTING_OPTIONS = ("replica_actors", "run_dir")
 
 
-def check_engine_options(options: Mapping[str, Any]) -> None:
-    """ValueError naming any `service.inference_service.engine` key no engine reads."""
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS) - set(ROUTING_OPTIONS))
-    if unknown:
-        keys = ", ".join(f"service.inference_service.engine.{k}" for k in unknown)
-        raise ValueError(f"{keys}: unknown engine option; valid: {', '.join(ENGINE_OPTIONS)}")
+def check_engine_options(options: Mapping[str, Any]) -> InferenceEngineConfig:
+    """The typed options of a `service.inference_service.engine` mapping; a key no engine
+    reads, or a value of the wrong type, is a ValueError naming it."""
+    return engine_config(options, extra=ROUTING_OPTIONS)
 
 
 HF_OPTIONS = ("dtype", "device", "max_model_len")  # HFEngine preallocates no KV cache
