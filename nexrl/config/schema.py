@@ -456,6 +456,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "resume.mode": ("disable", "auto", "from_path"),
     "runtime_monitor.exception_handling.policy": ("stop_on_error", "stop_on_critical", "continue"),
     "trajectory_pool.check_batch_ready_function": ("batch_size", "loaded_batch_finished"),
-    "service.train_service.backend": ("auto", "builtin", "process", "remote"),
     "service.inference_service.backend": ("builtin", "hf", "remote", "vllm", "sglang"),
 }

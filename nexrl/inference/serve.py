@@ -95,16 +95,18 @@ def is_loopback(host: str) -> bool:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse unsafe or unknown settings before the model loads (argparse errors, exit 2)."""
     from nexrl.inference.tool_parsers import PARSERS
+    from nexrl.registry import RegistryError
 
     if not is_loopback(args.host) and not args.api_key and not args.allow_insecure:
         parser.error(
             f"--host {args.host} is not a loopback address: give --api-key (or NEXRL_API_KEY), "
             "or --allow-insecure to serve without one"
         )
-    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
-        parser.error(
-            f"--tool-call-parser: unknown {args.tool_call_parser!r}; known: {sorted(PARSERS)}"
-        )
+    if args.tool_call_parser is not None:
+        try:
+            PARSERS.get(args.tool_call_parser)  # a registered name or "pkg.module:Class"
+        except RegistryError as exc:
+            parser.error(f"--tool-call-parser: {str(exc).removeprefix(f'{PARSERS.config_key}: ')}")
     for d in args.weights_dir or []:
         if not os.path.isdir(d):
             parser.error(f"--weights-dir: {d!r} is not a directory")
