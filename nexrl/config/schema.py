@@ -224,7 +224,8 @@ class TrainServiceConfig:
     of its own: no interpreter-lock contention with the rollout side, weights through
     shared memory), `remote` (a `nexrl train-service`), or `auto`: `process` for a local
     fully-async run with `weight.staleness_threshold` >= 1 (the fastest measured),
-    `builtin` otherwise."""
+    `builtin` otherwise; or a train engine registered in
+    `nexrl.training.backends.TRAIN_ENGINES`, or `package.module:Class`."""
     url: str | None = None
     """Service URL for `remote`."""
     model_tag: str = "default"
