@@ -87,7 +87,7 @@ def test_a_run_picks_a_user_reward_logger_and_train_backend_by_name(registered, 
 
 
 def test_a_user_tool_parser_reads_the_replies_of_a_chat(registered, tiny_model_path):
-    from nexrl.inference.client import LLMServiceClient
+    from nexrl.inference.client import LLMServiceClient, shutdown_local_engines
 
     client = LLMServiceClient(
         {"backend": "builtin", "model": tiny_model_path, "tool_call_parser": "echo_all"}
@@ -96,7 +96,7 @@ def test_a_user_tool_parser_reads_the_replies_of_a_chat(registered, tiny_model_p
     try:
         out = client.generate([{"role": "user", "content": "hi"}], tools=tools, max_tokens=3)
     finally:
-        client._engine.shutdown()
+        shutdown_local_engines()  # the process-wide engine of the tag, not a later test's
     (call,) = out["tool_calls"]
     assert call["function"]["name"] == "echo"
     assert json.loads(call["function"]["arguments"]) == {"text": out["choices"][0]["response"]}

@@ -97,7 +97,7 @@ def test_engine_options_are_typed_and_checked():
 def test_a_run_with_typed_engine_options_checks_them_before_building(tmp_path):
     """The client reads the section through the typed options: a wrong type fails before
     any model loads, naming the key; right ones build an engine with them."""
-    from nexrl.inference.client import LLMServiceClient
+    from nexrl.inference.client import LLMServiceClient, shutdown_local_engines
 
     with pytest.raises(ValueError, match=f"{ENGINE_KEY}.native_attention"):
         LLMServiceClient({"backend": "builtin", "engine": {"native_attention": "maybe"}})
@@ -107,7 +107,20 @@ def test_a_run_with_typed_engine_options_checks_them_before_building(tmp_path):
         out = client.completion("abc", max_tokens=2, temperature=0.0)
         assert len(out["choices"][0]["response_ids"]) == 2
     finally:
-        client._engine.shutdown()
+        shutdown_local_engines()  # the process-wide engine of the tag, not a later test's
+
+
+def test_an_engine_is_built_from_the_typed_options(tiny_model_path):
+    from nexrl.inference.engine import Engine
+
+    engine = Engine.from_config(
+        InferenceEngineConfig(max_batch_size=4, max_model_len=64, prefix_cache_gib=0.0),
+        tiny_model_path,
+    )
+    try:
+        assert (engine.max_batch_size, engine.max_model_len, engine.prefix) == (4, 64, None)
+    finally:
+        engine.shutdown()
 
 
 def test_ray_maps_are_typed():
