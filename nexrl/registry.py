@@ -2,7 +2,8 @@
 
 One mechanism for every kind of named component (rollout workers, processors,
 data loaders, rewards, advantage estimators, losses, KL estimators,
-aggregation modes, inference backends). A registry is an explicit dict;
+aggregation modes, inference and train backends, tool-call parsers, logger
+backends). A registry is an explicit dict;
 `get("pkg.module:attr")` also accepts an import path, the one escape hatch for
 user code, resolved by `import_object`. Every failure names the kind, the
 name, and the valid choices, in one format.
@@ -21,7 +22,7 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -82,14 +83,38 @@ class Registry:
             return item
         if ":" in name:
             return import_object(name)
+        raise self.unknown(name)
+
+    def check(self, name: str) -> None:
+        """Raise the `get` error for a name that is neither registered nor an import path,
+        importing nothing (a lazy entry stays unimported)."""
+        if name not in self._items and ":" not in name:
+            raise self.unknown(name)
+
+    def unknown(self, name: str) -> RegistryError:
+        """The error for a name that is not registered: the config key, the kind, the name
+        and the choices (in registration order)."""
         where = f"{self.config_key}: " if self.config_key else ""
-        raise RegistryError(
-            f"{where}unknown {self.kind} {name!r}; valid choices: {', '.join(self.names())} "
+        return RegistryError(
+            f"{where}unknown {self.kind} {name!r}; valid choices: {', '.join(self._items)} "
             "or an import path 'package.module:name'"
         )
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+    def __getitem__(self, name: str) -> Any:
+        """`get` of a registered name (no import path): `REGISTRY[name]`."""
+        if name not in self._items:
+            raise self.unknown(name)
+        return self.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        """Registered names, in registration order (built-ins first)."""
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def registered_outside(self, package: str) -> list[str]:
         """Names whose entry comes from a module outside `package` (user code); a lazy

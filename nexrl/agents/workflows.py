@@ -15,6 +15,7 @@ from typing import Any
 
 from nexrl.agents.loop import run_tool_episode
 from nexrl.agents.tokens import MultiTurnTokens
+from nexrl.config.schema import DataConfig, RolloutWorkerConfig
 from nexrl.envs.local import LocalToolingEnv
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine, SamplingParams
 from nexrl.inference.tool_parsers import get_parser
@@ -41,6 +42,15 @@ def _reward(value: Any, traj: Trajectory) -> float:
     return float(value)
 
 
+_ROLLOUT_DEFAULTS = RolloutWorkerConfig()
+
+
+def _rollout_option(config: Any, name: str) -> Any:
+    """`config.<name>` (the `rollout_worker` section), or the schema's default when the
+    workflow is built without one: the defaults are written once, in the schema."""
+    return getattr(config, name, getattr(_ROLLOUT_DEFAULTS, name))
+
+
 class _Base(RolloutWorkflow):
     """Shared options: `prompt_key` (the row's text or chat column), `system_prompt` (a
     system message when the prompt has none; the worker passes `data.system_prompt`),
@@ -51,7 +61,7 @@ class _Base(RolloutWorkflow):
         self,
         config: Any = None,
         reward_fn: Any = None,
-        prompt_key: str = "prompt",
+        prompt_key: str = DataConfig.prompt_key,
         max_tokens: int | None = None,
         temperature: float | None = None,
         system_prompt: str | None = None,
@@ -62,12 +72,12 @@ class _Base(RolloutWorkflow):
         self.system_prompt = system_prompt
         self.prefix_messages = [dict(m) for m in prefix_messages]
         self.sampling = SamplingParams(
-            max_new_tokens=max_tokens or getattr(config, "max_tokens", 64),
+            max_new_tokens=max_tokens or _rollout_option(config, "max_tokens"),
             temperature=(
-                temperature if temperature is not None else getattr(config, "temperature", 1.0)
+                temperature if temperature is not None else _rollout_option(config, "temperature")
             ),
-            top_p=getattr(config, "top_p", 1.0),
-            top_k=getattr(config, "top_k", -1),
+            top_p=_rollout_option(config, "top_p"),
+            top_k=_rollout_option(config, "top_k"),
         )
 
     def messages(self, data: dict[str, Any]) -> list[dict[str, Any]]:

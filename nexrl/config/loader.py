@@ -20,6 +20,8 @@ from nexrl.config import seed_aliases
 from nexrl.config.derived import groups_per_batch, train_backend, weights_in_memory
 from nexrl.config.schema import CHOICES, RLTrainConfig
 from nexrl.config.suggest import ConfigError, check_known_keys, explain_unknown_key
+from nexrl.registry import RegistryError
+from nexrl.training.backends import REMOTE, TRAIN_ENGINES
 
 PACKAGE_CONFIG_DIR = Path(__file__).parent
 logger = logging.getLogger(__name__)
@@ -65,6 +67,11 @@ def validate_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
+    if cfg.service.train_service.backend not in ("auto", REMOTE):
+        try:  # registered by name, or "pkg.module:Class" (imported when the engine is built)
+            TRAIN_ENGINES.check(cfg.service.train_service.backend)
+        except RegistryError as exc:
+            raise ConfigError(f"{exc}; or auto, remote") from None
     try:
         weights_in_memory(cfg)  # weight.transport=memory where it cannot work
     except ValueError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from nexrl.config import schema
+from nexrl.config import options, schema
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -80,7 +80,29 @@ def schema_defaults() -> dict[str, Any]:
                 out[prefix + f.name] = value
 
     walk(schema.RLTrainConfig(), "")
+    for section, (cls, _) in OPTION_TABLES.items():
+        out.update({f"{section}.{k}": v for k, v in dataclasses.asdict(cls()).items()})
     return out
+
+
+OPTION_TABLES: dict[str, tuple[type, str]] = {
+    "service.inference_service.engine": (
+        options.InferenceEngineConfig,
+        """Options of the `builtin` engine (`hf` reads `dtype`, `device` and `max_model_len`;
+`vllm` takes its own, docs/inference.md), from `nexrl.config.options.InferenceEngineConfig`:
+the defaults of `Engine` and `nexrl serve` too. The section is a mapping, so an option
+the packaged `rl_train.yaml` does not set is added with a `+`
+(`+service.inference_service.engine.threads=2`); `max_batch_size`, which it sets (256),
+takes none. An unknown option or a value of the wrong type fails naming the key.""",
+    ),
+    "ray.groups.<group>": (
+        options.RayGroupConfig,
+        "The Ray options of a colocation group's actor, from "
+        "`nexrl.config.options.RayGroupConfig` (docs/ray.md); `ray.groups` is a mapping, so "
+        "an entry is added with a `+` (`+ray.groups.train.num_cpus=2`).",
+    ),
+}
+"""Typed option sets shown in tables of their own: {key prefix: (dataclass, intro)}."""
 
 
 HEAD = """# Configuration reference
@@ -143,7 +165,10 @@ def render() -> str:
         "| key | default | meaning |",
         "| --- | --- | --- |",
     ]
-    return "\n".join(head + _rows(schema.RLTrainConfig(), "")) + "\n"
+    lines = head + _rows(schema.RLTrainConfig(), "")
+    for section, (cls, intro) in OPTION_TABLES.items():
+        lines += ["", f"## `{section}`", "", intro, "", *head[1:], *_rows(cls(), f"{section}.")]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

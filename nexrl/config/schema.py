@@ -14,6 +14,10 @@ from typing import Any
 
 from omegaconf import MISSING  # noqa: F401  (re-exported for user schemas)
 
+from nexrl.config.options import (
+    InferenceEngineConfig,  # noqa: F401  (the engine section's options)
+    RayRanksConfig,
+)
 from nexrl.training.config import EngineConfig
 
 
@@ -227,7 +231,8 @@ class TrainServiceConfig:
     of its own: no interpreter-lock contention with the rollout side, weights through
     shared memory), `remote` (a `nexrl train-service`), or `auto`: `process` for a local
     fully-async run with `weight.staleness_threshold` >= 1 (the fastest measured),
-    `builtin` otherwise."""
+    `builtin` otherwise; or a train engine registered in
+    `nexrl.training.backends.TRAIN_ENGINES`, or `package.module:Class`."""
     url: str | None = None
     """Service URL for `remote`."""
     model_tag: str = "default"
@@ -262,9 +267,10 @@ class InferenceServiceConfig:
     tool_call_parser: str = "hermes"
     """How `LLMServiceClient.generate(messages, tools=...)` reads tool calls from the reply
     (a name in `nexrl.inference.tool_parsers`), on in-process backends."""
-    engine: dict[str, Any] = field(default_factory=lambda: {"max_batch_size": 256})
-    """Built-in engine options (docs/inference.md). `max_batch_size` 256: a default step's
-    16 x 16 samples decode as one batch (set it without `+`; add other options with `+`)."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Engine options of the backend: for `builtin` and `hf` the `InferenceEngineConfig`
+    keys below (`service.inference_service.engine.<option>`), for `vllm` its own
+    (docs/inference.md). The packaged `rl_train.yaml` sets `max_batch_size: 256`."""
 
 
 @dataclass
@@ -397,12 +403,14 @@ class RayConfig:
     colocation: dict[str, str | None] = field(default_factory=dict)
     """role -> colocation group (null: an actor of its own), over `layout`'s."""
     groups: dict[str, Any] = field(default_factory=dict)
-    """group -> {num_cpus, num_gpus, max_concurrency, max_restarts, resources}."""
-    train_ranks: dict[str, Any] = field(default_factory=dict)
-    """Data-parallel train ranks as a worker group: {bundles_per_node: [n, ...],
-    num_cpus_per_bundle, num_gpus_per_bundle}; empty: one in-actor engine."""
-    inference_replicas: dict[str, Any] = field(default_factory=dict)
-    """Inference engine replicas on their own bundles, same keys as `train_ranks`."""
+    """group -> its actor's Ray options, the keys of `nexrl.config.options.RayGroupConfig`:
+    `num_cpus` (0.0), `num_gpus` (0.0), `max_concurrency` and `max_restarts` (null: the
+    `ray.*` values above), `resources` ({}); checked at start, an unknown key named."""
+    train_ranks: RayRanksConfig = field(default_factory=RayRanksConfig)
+    """Data-parallel train ranks as a worker group on bundles of their own; empty
+    `bundles_per_node`: one in-actor engine."""
+    inference_replicas: RayRanksConfig = field(default_factory=RayRanksConfig)
+    """Inference engine replicas on bundles of their own; empty `bundles_per_node`: none."""
 
 
 @dataclass
@@ -456,6 +464,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "resume.mode": ("disable", "auto", "from_path"),
     "runtime_monitor.exception_handling.policy": ("stop_on_error", "stop_on_critical", "continue"),
     "trajectory_pool.check_batch_ready_function": ("batch_size", "loaded_batch_finished"),
-    "service.train_service.backend": ("auto", "builtin", "process", "remote"),
     "service.inference_service.backend": ("builtin", "hf", "remote", "vllm", "sglang"),
 }

@@ -134,8 +134,8 @@ def build_ray_train_worker(cfg: DictConfig) -> Any:
     from nexrl.distributed.settings import RaySettings, actor_env
 
     settings = RaySettings.from_config(cfg)
-    ranks = dict(settings.train_ranks)
-    if not ranks.get("bundles_per_node"):
+    ranks = dataclasses.asdict(settings.train_ranks)
+    if not ranks["bundles_per_node"]:
         return build_train_worker(cfg)
     client = RayDataParallelTrainClient(
         OmegaConf.to_container(cfg.service.train_service, resolve=True),

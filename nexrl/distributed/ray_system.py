@@ -67,18 +67,15 @@ def start_inference_replicas(
     `service.inference_service.engine.replica_actors` naming them (the client's hook)."""
     from nexrl.inference.replicas import InferenceReplica
 
-    layout = dict(settings.inference_replicas)
-    cpus, gpus = (
-        float(layout.get("num_cpus_per_bundle", 1.0)),
-        float(layout.get("num_gpus_per_bundle", 0.0)),
-    )
+    layout = settings.inference_replicas
+    cpus, gpus = float(layout.num_cpus_per_bundle), float(layout.num_gpus_per_bundle)
     cluster = RayVirtualCluster(
-        layout["bundles_per_node"],
+        list(layout.bundles_per_node),
         use_gpus=gpus > 0,
         num_gpus_per_bundle=gpus or 1.0,
         num_cpus_per_bundle=cpus,
         name="nexrl-inference",
-        node_resources=layout.get("node_resources"),
+        node_resources=layout.node_resources,
     )
     engine_config = inference_config(cfg)
     prefix = f"nexrl-replica-{uuid.uuid4().hex[:8]}"
@@ -122,7 +119,7 @@ class RaySystem(ModuleSystem):
         module_env = {**env, "OMP_NUM_THREADS": str(self.settings.module_threads())}
         self.replica_cluster: RayVirtualCluster | None = None
         self.replicas: list[Any] = []
-        if self.settings.inference_replicas.get("bundles_per_node"):
+        if self.settings.inference_replicas.bundles_per_node:
             self.replica_cluster, self.replicas, cfg = start_inference_replicas(
                 cfg, self.settings, env
             )

@@ -44,6 +44,8 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
+from nexrl.config.options import RayGroupConfig
+from nexrl.config.schema import RayConfig
 from nexrl.distributed.recovery import ActorRestartedError
 from nexrl.types import NexRLRole
 
@@ -269,10 +271,10 @@ class _Registration:
 class GroupOptions:
     """Ray options of one colocation group's actor."""
 
-    num_cpus: float = 0.0
-    num_gpus: float = 0.0
-    max_concurrency: int = 64
-    max_restarts: int = 0
+    num_cpus: float = RayGroupConfig.num_cpus
+    num_gpus: float = RayGroupConfig.num_gpus
+    max_concurrency: int = RayConfig.max_concurrency
+    max_restarts: int = RayConfig.max_restarts
     resources: dict[str, float] = field(default_factory=dict)
     scheduling_strategy: Any = None
 

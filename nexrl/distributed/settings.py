@@ -6,6 +6,7 @@ data-parallel train client) need not import the system that builds them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from nexrl.config.options import RayGroupConfig, RayRanksConfig
 from nexrl.config.schema import RayConfig
 from nexrl.distributed.resource_manager import GroupOptions
 from nexrl.types import NexRLRole
@@ -97,7 +99,14 @@ class RaySettings(RayConfig):
             raise ValueError(
                 f"ray.colocation: unknown role(s) {bad}; roles: {[r.value for r in NexRLRole]}"
             )
-        return cls(**raw, colocation=colocation)
+        groups = {
+            g: _typed(RayGroupConfig, f"ray.groups.{g}", o)
+            for g, o in raw.pop("groups", {}).items()
+        }
+        for key in ("train_ranks", "inference_replicas"):
+            if key in raw:
+                raw[key] = _typed(RayRanksConfig, f"ray.{key}", raw[key])
+        return cls(**raw, groups=groups, colocation=colocation)
 
     def module_threads(self) -> int:
         """Torch threads of each module actor (`ray.torch_threads`, see the schema)."""
@@ -118,16 +127,37 @@ class RaySettings(RayConfig):
         return len(named) + sum(group is None for group in self.colocation.values())
 
     def group_options(self) -> dict[str, GroupOptions]:
+        """Each colocation group's actor options: its `ray.groups` entry, with
+        `ray.max_concurrency` and `ray.max_restarts` where the entry leaves them null."""
         names = {g for g in self.colocation.values() if g} | set(self.groups)
-        base = {"max_concurrency": self.max_concurrency, "max_restarts": self.max_restarts}
         out = {}
         for name in names:
-            opts = {**base, **(self.groups.get(name) or {})}
-            unknown = sorted(set(opts) - set(GroupOptions.__dataclass_fields__))
-            if unknown:
-                raise ValueError(f"ray.groups.{name}: unknown key(s) {unknown}")
-            out[name] = GroupOptions(**opts)
+            group = self.groups.get(name) or RayGroupConfig()
+            out[name] = GroupOptions(
+                num_cpus=group.num_cpus,
+                num_gpus=group.num_gpus,
+                max_concurrency=_or(group.max_concurrency, self.max_concurrency),
+                max_restarts=_or(group.max_restarts, self.max_restarts),
+                resources=dict(group.resources),
+            )
         return out
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _typed(cls: type[Any], key: str, value: Any) -> Any:
+    """`value` (a mapping, or already a `cls`) as a `cls`; an unknown key is a ValueError
+    naming it under `key`."""
+    if isinstance(value, cls):
+        return value
+    value = dict(value or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{key}: unknown key(s) {unknown}; valid: {sorted(known)}")
+    return cls(**value)
 
 
 QUIET_RAY_ENV = {

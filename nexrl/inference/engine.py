@@ -22,6 +22,7 @@ the version that sampled it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -35,26 +36,29 @@ from typing import Any
 
 import torch
 
-from nexrl.inference.model_runner import ModelRunner, is_supported, plan_kv_cache
-from nexrl.inference.prefix_cache import MIN_SHARED_TOKENS, PrefixCache
+from nexrl.config.options import ENGINE_DEFAULTS as _D
+from nexrl.config.options import InferenceEngineConfig
+from nexrl.inference.factory import build_engine  # noqa: F401  (its home until it moved)
+from nexrl.inference.model_runner import ModelRunner, plan_kv_cache
+from nexrl.inference.prefix_cache import PrefixCache
 from nexrl.inference.protocol import (
     GenerationOutput,
     GenerationRequest,
     GenerationResponse,
-    InferenceEngine,
     TokenCallback,
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import (
     SampleKinds,
     StopChecker,
+    check_fits,
     sample_generator,
     sample_next,
     stop_token_set,
     to_device,
     validate_params,
 )
-from nexrl.inference.scheduler import Pending, Row, RunningBatch
+from nexrl.inference.scheduler import Pending, Row, RunningBatch, run_into, take_admissible
 from nexrl.inference.weights import (
     load_model_and_tokenizer,
     load_weights_into,
@@ -66,7 +70,9 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """Continuous-batching `InferenceEngine` for Llama/Qwen2/Qwen3 checkpoints."""
+    """Continuous-batching `InferenceEngine` for Llama/Qwen2/Qwen3 checkpoints. Options:
+    `nexrl.config.options.InferenceEngineConfig` (their defaults and meaning);
+    `Engine.from_config` takes that dataclass."""
 
     supports_streaming = True  # submit(..., on_token=...)
 
@@ -74,22 +80,22 @@ class Engine:
         self,
         model_path: str | Path | None = None,
         *,
-        max_batch_size: int = 128,
-        max_model_len: int | None = None,
-        kv_cache_gib: float | None = None,
-        max_prefill_tokens: int = 8192,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
+        max_batch_size: int = _D.max_batch_size,
+        max_model_len: int | None = _D.max_model_len,
+        kv_cache_gib: float | None = _D.kv_cache_gib,
+        max_prefill_tokens: int = _D.max_prefill_tokens,
+        dtype: str = _D.dtype,
+        device: str = _D.device,
+        seed: int = _D.seed,
         model_and_tokenizer: tuple[Any, Any] | None = None,
-        emulated_step_latency_s: float = 0.0,
-        matmul: str = "auto",
-        native_attention: bool = True,
-        gather_quiet_s: float = 0.002,
-        gather_max_s: float = 0.02,
-        threads: int | None = None,
-        prefix_cache_gib: float = 0.25,
-        cuda_graphs: bool = True,
+        emulated_step_latency_s: float = _D.emulated_step_latency_s,
+        matmul: str = _D.matmul,
+        native_attention: bool = _D.native_attention,
+        gather_quiet_s: float = _D.gather_quiet_s,
+        gather_max_s: float = _D.gather_max_s,
+        threads: int | None = _D.threads,
+        prefix_cache_gib: float = _D.prefix_cache_gib,
+        cuda_graphs: bool = _D.cuda_graphs,
     ) -> None:
         if model_path is None and model_and_tokenizer is None:
             from nexrl.models.tiny import default_model_path
@@ -139,6 +145,17 @@ class Engine:
         self.stats.update(prompt_tokens=0, prefix_hit_tokens=0)  # hits: read from the prefix cache
         self._thread = threading.Thread(target=self._loop, name="nexrl-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: InferenceEngineConfig,
+        model_path: str | Path | None = None,
+        model_and_tokenizer: tuple[Any, Any] | None = None,
+    ) -> Engine:
+        """An engine with the typed options `config`."""
+        options = dataclasses.asdict(config)
+        return cls(model_path, model_and_tokenizer=model_and_tokenizer, **options)
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -254,7 +271,7 @@ class Engine:
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
             for fn, future in commands:
-                _run_into(fn, future)
+                run_into(fn, future)
             if not self._paused:
                 self._guarded_step()
 
@@ -318,35 +335,11 @@ class Engine:
         bt.record(rows, tokens, lps, self._version)
         self.stats["generated_tokens"] += rows.stop - rows.start
         if bt.counts["streaming"]:
-            self._stream(rows, tokens, lps)
-
-    def _stream(self, rows: slice, tokens: torch.Tensor, lps: torch.Tensor) -> None:
-        rng = range(rows.start, rows.stop)
-        for j, tok, lp in zip(rng, tokens.tolist(), lps.tolist(), strict=True):
-            pending, index = self.batch.rows[j].pending, self.batch.rows[j].index
-            if pending.on_token is None:
-                continue
-            try:
-                pending.on_token(index, tok, lp, self._version)
-            except Exception:  # a broken listener must not stop the batch
-                logger.exception("streaming callback of request %s failed", pending.request.rid)
+            bt.stream(rows, tokens, lps, self._version)
 
     def _admit(self) -> bool:
         """Prefill waiting requests that fit (slots and prefill token budget); True if any."""
-        chosen: list[Pending] = []
-        slots, longest = self.batch.free, 0  # longest: the padded width of the prefill
-        while self._waiting:
-            p = self._waiting[0]
-            n, plen = p.request.sampling.n, len(p.request.input_ids)
-            width = max(longest, plen)
-            if n > slots or (chosen and width * (len(chosen) + 1) > self.max_prefill_tokens):
-                break
-            self._waiting.popleft()
-            if p.request.sampling.max_new_tokens == 0:
-                p.resolve_empty()
-                continue
-            chosen.append(p)
-            slots, longest = slots - n, width
+        chosen = take_admissible(self._waiting, self.batch.free, self.max_prefill_tokens)
         if chosen:
             self._prefill(chosen)
         return bool(chosen)
@@ -402,23 +395,13 @@ class Engine:
             self.prefix.load(self.runner, [(first + j, cached[i]) for j, i in enumerate(src)])
         logits = self.runner.prefill(tokens, lengths, torch.tensor(src), dst, start)  # (R, V)
         if self.prefix is not None:
-            self._cache_prompts(chosen, src, first)
+            anchors = self.prefix.insert_prompts(self.runner, prompts, src, first)
+            for i, anchor in anchors.items():
+                chosen[i].prefix_anchor = anchor  # its samples' inserts start there
         idx = self.batch.add_rows(rows, [len(prompts[i]) for i in src])
         self._sample_and_record(
             idx, logits.index_select(0, to_device(torch.tensor(src), logits.device))
         )
-
-    def _cache_prompts(self, chosen: list[Pending], src: list[int], first: int) -> None:
-        """Put the wave's prompts longer than `MIN_SHARED_TOKENS` in the prefix cache, each
-        from the cache row of its first sample. A shorter one is not worth its copy: a hit
-        would save at most that many prefill tokens."""
-        long = [i for i, p in enumerate(chosen) if len(p.request.input_ids) > MIN_SHARED_TOKENS]
-        if not long:
-            return
-        rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
-        items = [(chosen[i].request.input_ids, rep[i], None) for i in long]
-        for i, anchor in zip(long, self.prefix.insert(self.runner, items), strict=True):
-            chosen[i].prefix_anchor = anchor  # its samples' inserts start there
 
     def _finish(self) -> None:
         finished = self.batch.finished_rows()
@@ -436,19 +419,14 @@ class Engine:
             self.runner.move_rows(src, dst, span)
 
     def _cache_samples(self, rows: list[int], taken: list[tuple[Row, GenerationOutput]]) -> None:
-        """Put finished samples in the prefix cache: their KV (the prompt and all but the
-        last sampled token) serves a next turn that quotes them. Samples with a token of
-        older weights are left out (the cache holds the current weights' KV only), and so
-        are those of requests that send no next turn (`cache_output` off)."""
-        items = []
+        """Finished samples into the prefix cache, but those of requests that send no next
+        turn (`cache_output` off); see `PrefixCache.insert_samples`."""
+        samples = []
         for j, (row, out) in zip(rows, taken, strict=True):
-            versions = out.output_versions
-            keep = row.pending.request.cache_output
-            if keep and versions and all(v == self._version for v in versions):
-                tokens = row.pending.request.input_ids + out.output_ids[:-1]
-                items.append((tokens, j, row.pending.prefix_anchor))
-        if items:
-            self.prefix.insert(self.runner, items)
+            request, anchor = row.pending.request, row.pending.prefix_anchor
+            if request.cache_output:
+                samples.append((j, request.input_ids, out.output_ids, out.output_versions, anchor))
+        self.prefix.insert_samples(self.runner, samples, self._version)
 
     def _abort(self, rid: str | None) -> None:
         self._waiting.extend(self._inbox)
@@ -464,46 +442,3 @@ class Engine:
                 keep.append(p)
         self._waiting = keep
         self._finish()
-
-
-def check_fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
-    """ValueError unless prompt plus `max_new_tokens` fits in `max_model_len` positions."""
-    if prompt_len >= max_model_len or prompt_len + max_new_tokens > max_model_len:
-        raise ValueError(
-            f"request does not fit: prompt has {prompt_len} tokens + max_new_tokens "
-            f"{max_new_tokens} = {prompt_len + max_new_tokens} > max_model_len {max_model_len} "
-            "(engine option max_model_len, `nexrl serve --max-model-len`)"
-        )
-
-
-def _run_into(fn: Callable[[], Any], future: Future) -> None:
-    try:
-        future.set_result(fn())
-    except Exception as exc:  # the caller re-raises it from future.result()
-        future.set_exception(exc)
-
-
-def build_engine(model_path: str | Path | None = None, **options: Any) -> InferenceEngine:
-    """The fast `Engine` when the architecture is supported, else `HFEngine`."""
-    if model_path is None:
-        from nexrl.models.tiny import default_model_path
-
-        model_path = default_model_path()
-    dtype, device = options.pop("dtype", "float32"), options.pop("device", "cpu")
-    model, tok = load_model_and_tokenizer(model_path, dtype, device)
-    if is_supported(model):
-        return Engine(model_path, model_and_tokenizer=(model, tok), device=device, **options)
-    threads = options.pop("threads", None)
-    if threads is not None:  # HFEngine has no thread of its own to give them to
-        torch.set_num_threads(int(threads))
-    from nexrl.inference.hf_engine import HFEngine
-
-    if options.get("emulated_step_latency_s"):
-        raise ValueError(
-            f"emulated_step_latency_s needs the built-in engine; {type(model).__name__} "
-            "is served by HFEngine"
-        )
-    logger.info("%s: no lean forward, using HFEngine", type(model).__name__)
-    return HFEngine(
-        model_path, dtype=dtype, device=device, max_model_len=options.get("max_model_len")
-    )

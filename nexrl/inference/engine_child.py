@@ -23,7 +23,7 @@ def child_main(conn, model_path: str, options: dict[str, Any]) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
 
-    from nexrl.inference.engine import build_engine
+    from nexrl.inference.factory import build_engine
 
     threads = options.pop("threads", None)
     if threads:

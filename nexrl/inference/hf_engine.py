@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from nexrl.config.options import ENGINE_DEFAULTS
 from nexrl.inference.protocol import (
     GenerationOutput,
     GenerationRequest,
@@ -53,9 +54,9 @@ class HFEngine:
         self,
         model_path: str | Path | None = None,
         *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_model_len: int | None = None,
+        dtype: str = ENGINE_DEFAULTS.dtype,
+        device: str = ENGINE_DEFAULTS.device,
+        max_model_len: int | None = ENGINE_DEFAULTS.max_model_len,
     ) -> None:
         if model_path is None:
             from nexrl.models.tiny import default_model_path

@@ -193,6 +193,38 @@ class PrefixCache:
         # evictions by this insert spare its own nodes: the anchors hold at the new epoch
         return [Anchor(self._epoch, node, depth) for node, depth in ends]
 
+    def insert_prompts(
+        self, runner, prompts: Sequence[Sequence[int]], src: Sequence[int], first: int
+    ) -> dict[int, Anchor]:
+        """Cache a prefill wave's prompts longer than `MIN_SHARED_TOKENS` (a shorter one is
+        not worth its copy: a hit would save at most that many prefill tokens), each from
+        the cache row of its first sample (`src[j]`: the prompt of row `first + j`).
+        Returns {prompt index: its anchor}, where its samples' inserts start."""
+        long = [i for i, ids in enumerate(prompts) if len(ids) > MIN_SHARED_TOKENS]
+        if not long:
+            return {}
+        rep = {i: first + j for j, i in reversed(list(enumerate(src)))}
+        anchors = self.insert(runner, [(prompts[i], rep[i], None) for i in long])
+        return dict(zip(long, anchors, strict=True))
+
+    def insert_samples(
+        self,
+        runner,
+        samples: Sequence[tuple[int, Sequence[int], Sequence[int], Sequence[int], Anchor | None]],
+        version: int,
+    ) -> None:
+        """Cache finished samples, each (cache row, prompt ids, output ids, output versions,
+        anchor): their KV (the prompt and all but the last sampled token) serves a next
+        turn that quotes them. Samples with a token of older weights than `version` are
+        left out (the cache holds the current weights' KV only)."""
+        items = [
+            ([*prompt, *out[:-1]], row, anchor)
+            for row, prompt, out, versions, anchor in samples
+            if versions and all(v == version for v in versions)
+        ]
+        if items:
+            self.insert(runner, items)
+
     def _resume(self, anchor: Anchor | None) -> tuple[int, int]:
         """(node, tokens on its path) to start a walk at: the anchor's while nothing was
         evicted or cleared since it was made, else the root. The node is marked used, so

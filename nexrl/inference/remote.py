@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from nexrl.config.schema import InferenceServiceConfig
 from nexrl.inference.protocol import (
     GenerationOutput,
     GenerationRequest,
@@ -74,7 +75,7 @@ class RemoteBackend:
             raise ValueError(f"inference_service.url is required for backend {self.kind!r}")
         self.base = str(url).rstrip("/").removesuffix("/v1")
         self.api_key = config.get("api_key") or "EMPTY"
-        timeout = float(config.get("timeout") or 600)
+        timeout = float(config.get("timeout") or InferenceServiceConfig.timeout)
         self.client = openai.OpenAI(
             base_url=self.base + "/v1", api_key=self.api_key, timeout=timeout, max_retries=0
         )

@@ -252,6 +252,16 @@ def make_output(
     return GenerationOutput(ids, logprobs, versions, finish_reason, text)
 
 
+def check_fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+    """ValueError unless prompt plus `max_new_tokens` fits in `max_model_len` positions."""
+    if prompt_len >= max_model_len or prompt_len + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"request does not fit: prompt has {prompt_len} tokens + max_new_tokens "
+            f"{max_new_tokens} = {prompt_len + max_new_tokens} > max_model_len {max_model_len} "
+            "(engine option max_model_len, `nexrl serve --max-model-len`)"
+        )
+
+
 def validate_params(params: SamplingParams) -> None:
     """Raise ValueError naming the bad field of `params`."""
     if params.max_new_tokens < 0:

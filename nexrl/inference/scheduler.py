@@ -15,9 +15,12 @@ Usage order, from the engine's scheduler thread only:
 from __future__ import annotations
 
 import itertools
+import logging
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +32,8 @@ from nexrl.inference.protocol import (
     TokenCallback,
 )
 from nexrl.inference.sampler import StopChecker, decode_all, make_output, to_device
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +99,35 @@ def _runs(rows: list[Row]) -> list[tuple[Pending, int]]:
         (run[0].pending, len(run))
         for run in (list(g) for _, g in itertools.groupby(rows, key=lambda r: id(r.pending)))
     ]
+
+
+def run_into(fn: Callable[[], Any], future: Future) -> None:
+    """Run a control command on the scheduler thread; its result or error goes to `future`."""
+    try:
+        future.set_result(fn())
+    except Exception as exc:  # the caller re-raises it from future.result()
+        future.set_exception(exc)
+
+
+def take_admissible(waiting: deque[Pending], free: int, max_prefill_tokens: int) -> list[Pending]:
+    """Pop from the front of `waiting` the requests one prefill admits: while their samples
+    fit the `free` slots and the padded prompt tokens (requests x the longest prompt) fit
+    `max_prefill_tokens` (the first request always does). A request for 0 new tokens is
+    resolved empty on the way, without a slot."""
+    chosen: list[Pending] = []
+    slots, longest = free, 0  # longest: the padded width of the prefill
+    while waiting:
+        p = waiting[0]
+        n, width = p.request.sampling.n, max(longest, len(p.request.input_ids))
+        if n > slots or (chosen and width * (len(chosen) + 1) > max_prefill_tokens):
+            break
+        waiting.popleft()
+        if p.request.sampling.max_new_tokens == 0:
+            p.resolve_empty()
+            continue
+        chosen.append(p)
+        slots, longest = slots - n, width
+    return chosen
 
 
 class RunningBatch:
@@ -202,6 +236,18 @@ class RunningBatch:
     def set_abort(self, j: int) -> None:
         self.abort[j] = True
         self._aborting = True
+
+    def stream(self, rows: slice, tokens: torch.Tensor, lps: torch.Tensor, version: int) -> None:
+        """Hand each new token of `rows` to its request's `on_token` listener, if any."""
+        rng = range(rows.start, rows.stop)
+        for j, tok, lp in zip(rng, tokens.tolist(), lps.tolist(), strict=True):
+            pending, index = self.rows[j].pending, self.rows[j].index
+            if pending.on_token is None:
+                continue
+            try:
+                pending.on_token(index, tok, lp, version)
+            except Exception:  # a broken listener must not stop the batch
+                logger.exception("streaming callback of request %s failed", pending.request.rid)
 
     def record(self, rows: slice, tokens: torch.Tensor, lps: torch.Tensor, version: int):
         """Store the sampled tokens (M,) of the row range `rows` and advance those rows."""

@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from nexrl.config.options import ENGINE_DEFAULTS as _D
+
 SWITCH_INTERVAL_S = 2e-4
 
 
@@ -55,21 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs/top_logprobs")
     p.add_argument("--served-model-name", default="default")
     p.add_argument("--backend", choices=("builtin", "hf"), default="builtin")
-    p.add_argument("--max-batch", type=int, default=128, help="max running sequences")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--max-batch", type=int, default=_D.max_batch_size, help="max running sequences")
+    p.add_argument("--max-model-len", type=int, default=_D.max_model_len)
+    p.add_argument("--dtype", default=_D.dtype, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default=_D.device)
+    p.add_argument("--threads", type=int, default=_D.threads, help="torch intra-op threads")
     p.add_argument(
         "--prefix-cache-gib",
         type=float,
-        default=0.25,
+        default=_D.prefix_cache_gib,
         help="memory for cached prompt KV reused across requests (builtin backend; 0: off)",
     )
     p.add_argument(
         "--emulated-step-latency",
         type=float,
-        default=0.0,
+        default=_D.emulated_step_latency_s,
         help="seconds of sleep per engine step, to behave like an accelerator (docs/async.md)",
     )
     p.add_argument(
@@ -93,16 +95,18 @@ def is_loopback(host: str) -> bool:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse unsafe or unknown settings before the model loads (argparse errors, exit 2)."""
     from nexrl.inference.tool_parsers import PARSERS
+    from nexrl.registry import RegistryError
 
     if not is_loopback(args.host) and not args.api_key and not args.allow_insecure:
         parser.error(
             f"--host {args.host} is not a loopback address: give --api-key (or NEXRL_API_KEY), "
             "or --allow-insecure to serve without one"
         )
-    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
-        parser.error(
-            f"--tool-call-parser: unknown {args.tool_call_parser!r}; known: {sorted(PARSERS)}"
-        )
+    if args.tool_call_parser is not None:
+        try:
+            PARSERS.get(args.tool_call_parser)  # a registered name or "pkg.module:Class"
+        except RegistryError as exc:
+            parser.error(f"--tool-call-parser: {str(exc).removeprefix(f'{PARSERS.config_key}: ')}")
     for d in args.weights_dir or []:
         if not os.path.isdir(d):
             parser.error(f"--weights-dir: {d!r} is not a directory")

@@ -27,10 +27,8 @@ import json
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import jinja2
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,19 +58,18 @@ from nexrl.inference.protocol import (
     InferenceEngine,
     WeightUpdateMeta,
 )
-from nexrl.inference.sampler import encode_text
+from nexrl.inference.server_inputs import APIError
+from nexrl.inference.server_inputs import check_logprobs as _check_logprobs
+from nexrl.inference.server_inputs import check_weights_path as _check_weights_path
+from nexrl.inference.server_inputs import prompt_batch as _prompt_batch
+from nexrl.inference.server_inputs import render as _render
+from nexrl.inference.server_inputs import tool_mode as _tool_mode
 from nexrl.inference.server_metrics import ServerMetrics
 from nexrl.inference.tool_parsers import ToolCallParser, get_parser
 
 CONTROL_PATHS = frozenset(
     {"/update_weights_from_disk", "/pause_generation", "/continue_generation", "/abort_request"}
 )
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
 
 
 # FastAPI versions with built-in OpenTelemetry look up the global providers on every
@@ -288,64 +285,6 @@ def _chat_route(app: FastAPI, served: _Served) -> None:
         return _json(chat_body(resp, served.model_name, version, tokenizer, body.logprobs, parsed))
 
 
-def _check_logprobs(field: str, value: int | None, cap: int) -> None:
-    if value is not None and value > cap:
-        raise APIError(400, f"{field}: {value} is more than this server's maximum of {cap}")
-
-
-def _tool_mode(body: ChatRequest, parser: ToolCallParser | None) -> ToolCallParser | None:
-    """The parser to apply to this request's replies (None: return text as it is)."""
-    choice = body.tool_choice
-    if choice is None:
-        choice = "auto" if body.tools else "none"
-    if choice not in ("auto", "none"):
-        raise APIError(400, f"tool_choice: {choice!r} is not supported; use 'auto' or 'none'")
-    if choice == "none" or not body.tools:
-        return None
-    if parser is None:
-        raise APIError(
-            400,
-            "tools: this server has no tool-call parser; start it with "
-            "`nexrl serve --tool-call-parser NAME` (or send tool_choice='none')",
-        )
-    for i, tool in enumerate(body.tools):
-        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise APIError(400, f"tools[{i}]: expected {{'type': 'function', 'function': {{...}}}}")
-    return parser
-
-
-def _render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-    """The chat template's prompt ids; a template that rejects the messages is a 400.
-    A template that renders tools or tool calls to nothing is logged once."""
-    from nexrl.agents.chat import warn_if_template_drops
-
-    try:
-        warn_if_template_drops(tokenizer, messages, tools)
-        ids = tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-    except jinja2.TemplateError as exc:
-        raise APIError(400, f"messages: the chat template rejected them: {exc}") from exc
-    return list(ids)
-
-
-def _check_weights_path(path: str, dirs: list[str] | None) -> None:
-    if dirs is None:
-        return
-    resolved = Path(path).resolve()
-    if not any(resolved.is_relative_to(Path(d).resolve()) for d in dirs):
-        raise APIError(
-            403,
-            f"model_path: {path!r} is outside the directories this server may load weights "
-            f"from ({', '.join(dirs) or 'none'}; nexrl serve --weights-dir)",
-            "permission_error",
-        )
-
-
 def _info_routes(
     app: FastAPI, engine: InferenceEngine, metrics: ServerMetrics, model_name: str
 ) -> None:
@@ -453,26 +392,6 @@ def _control_routes(app: FastAPI, engine: InferenceEngine, weights_dirs: list[st
     async def abort(body: AbortRequest) -> dict[str, Any]:
         await asyncio.to_thread(engine.abort, None if body.abort_all else body.rid)
         return {"success": True}
-
-
-def _prompt_batch(prompt: Any, tokenizer, vocab: int) -> list[list[int]]:
-    """OpenAI's `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
-    if isinstance(prompt, str):
-        return [encode_text(tokenizer, prompt)]
-    if not prompt:
-        raise APIError(400, "prompt: empty; give text or token ids")
-    if all(isinstance(p, str) for p in prompt):
-        return [encode_text(tokenizer, p) for p in prompt]
-    if all(isinstance(p, list) for p in prompt):
-        return [_checked_ids(p, vocab) for p in prompt]
-    return [_checked_ids(prompt, vocab)]
-
-
-def _checked_ids(ids: list[int], vocab: int) -> list[int]:
-    bad = [t for t in ids if not 0 <= int(t) < vocab]
-    if bad:
-        raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    return [int(t) for t in ids]
 
 
 def _merge_completions(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:

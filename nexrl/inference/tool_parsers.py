@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nexrl.registry import Registry
+
 
 @dataclass
 class ToolCall:
@@ -169,17 +171,17 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParseResult: ...
 
 
-PARSERS: dict[str, Callable[[], ToolCallParser]] = {
-    "hermes": HermesParser,
-    "qwen": HermesParser,
-    "llama3_json": Llama3JsonParser,
-    "mistral": MistralParser,
-}
+PARSERS = Registry("tool-call parser", "service.inference_service.tool_call_parser")
+"""name -> parser class (called with no argument); `PARSERS.add("mine", MyParser)` makes
+`tool_call_parser: mine` and `nexrl serve --tool-call-parser mine` pick it."""
+PARSERS.add("hermes", HermesParser)
+PARSERS.add("qwen", HermesParser)
+PARSERS.add("llama3_json", Llama3JsonParser)
+PARSERS.add("mistral", MistralParser)
 
 
 def get_parser(name: str) -> ToolCallParser:
-    """A new parser registered as `name`; a clear error lists the known names."""
-    try:
-        return PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {sorted(PARSERS)}") from None
+    """A new parser registered as `name` (or given as "pkg.module:Class"); an unknown
+    name is an error that lists the registered ones."""
+    factory: Callable[[], ToolCallParser] = PARSERS.get(name)
+    return factory()

@@ -22,12 +22,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from nexrl.monitoring.progress import DEFAULT_CONSOLE_KEYS, ConsoleBackend
 from nexrl.monitoring.samples import SAMPLE_COLUMNS, sample_rows, with_staleness
+from nexrl.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -346,13 +347,15 @@ class MlflowBackend:
         self._client.set_terminated(self.run_id)
 
 
-LOGGER_BACKENDS: dict[str, Callable[..., LoggerBackend]] = {
-    "jsonl": JsonlBackend,
-    "console": ConsoleBackend,
-    "tensorboard": TensorboardBackend,
-    "wandb": WandbBackend,
-    "mlflow": MlflowBackend,
-}
+LOGGER_BACKENDS = Registry("backend", "logger.backend")
+"""name -> backend class, called with the logger's keyword arguments (`run_dir`,
+`project_name`, `experiment_name`, `config`, ...; take `**kwargs`);
+`LOGGER_BACKENDS.add("mine", MyBackend)` makes `logger.backend=[jsonl,mine]` pick it."""
+LOGGER_BACKENDS.add("jsonl", JsonlBackend)
+LOGGER_BACKENDS.add("console", ConsoleBackend)
+LOGGER_BACKENDS.add("tensorboard", TensorboardBackend)
+LOGGER_BACKENDS.add("wandb", WandbBackend)
+LOGGER_BACKENDS.add("mlflow", MlflowBackend)
 
 
 def parse_backends(backend: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -362,11 +365,7 @@ def parse_backends(backend: str | list[str] | tuple[str, ...] | None) -> list[st
     names = backend.split(",") if isinstance(backend, str) else list(backend)
     names = [n.strip() for n in names if n and n.strip()]
     for name in names:
-        if name not in LOGGER_BACKENDS:
-            raise ValueError(
-                f"logger.backend: unknown backend {name!r}; "
-                f"valid choices: {', '.join(LOGGER_BACKENDS)}"
-            )
+        LOGGER_BACKENDS.get(name)  # a registered name or "pkg.module:Class", else raises
     return list(dict.fromkeys(names))
 
 
@@ -420,7 +419,9 @@ class ExperimentLogger:
             run_config=self.run_config,
             tracking_uri=tracking_uri,
         )
-        self.backends: dict[str, LoggerBackend] = {n: LOGGER_BACKENDS[n](**kwargs) for n in names}
+        self.backends: dict[str, LoggerBackend] = {
+            n: LOGGER_BACKENDS.get(n)(**kwargs) for n in names
+        }
         self._lock = threading.Lock()
         self._last_step = 0
         self.set_total_steps(total_steps)

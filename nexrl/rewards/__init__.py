@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nexrl.data import import_object
+from nexrl.registry import Registry
 from nexrl.rewards.calls import inline_reward
 
 RewardFn = Callable[..., float]
@@ -48,36 +48,23 @@ def exact_match(prompt: str, completion: str, answer: str, **row: Any) -> float:
     return float(completion.strip() == str(answer).strip())
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "shift_letters": shift_letters,
-    "exact_match": exact_match,
-}
-
-
-def _register_builtins() -> None:
-    """The heavier built-ins live in their own modules (imported here, cheap: no sympy yet)."""
-    from nexrl.rewards.code import code_reward
-    from nexrl.rewards.math import gsm8k_reward, math_reward
-
-    REWARD_FUNCTIONS.update({"math": math_reward, "gsm8k": gsm8k_reward, "code": code_reward})
-
-
-_register_builtins()
+REWARD_FUNCTIONS = Registry("reward function", "rollout_worker.reward_fn")
+"""name -> reward; `REWARD_FUNCTIONS.add("mine", fn)` (or `@REWARD_FUNCTIONS.register(
+"mine")`) makes `rollout_worker.reward_fn=mine` pick it."""
+REWARD_FUNCTIONS.add("shift_letters", shift_letters)
+REWARD_FUNCTIONS.add("exact_match", exact_match)
+# the heavier built-ins live in their own modules, imported on first use
+REWARD_FUNCTIONS.add("math", "nexrl.rewards.math:math_reward")
+REWARD_FUNCTIONS.add("gsm8k", "nexrl.rewards.math:gsm8k_reward")
+REWARD_FUNCTIONS.add("code", "nexrl.rewards.code:code_reward")
 
 
 def get_reward_fn(name: str) -> RewardFn:
     """A registered reward by name, or a function given as "pkg.module:function"."""
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    if ":" in name:
-        fn = import_object(name)
-        if not callable(fn):
-            raise ValueError(f"reward function {name!r} is not callable")
-        return fn
-    raise ValueError(
-        f"unknown reward function {name!r}; valid choices: "
-        f"{', '.join(REWARD_FUNCTIONS)} or 'pkg.module:function'"
-    )
+    fn = REWARD_FUNCTIONS.get(name)
+    if not callable(fn):
+        raise ValueError(f"rollout_worker.reward_fn: reward function {name!r} is not callable")
+    return fn
 
 
 __all__ = [

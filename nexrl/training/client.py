@@ -28,10 +28,9 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 
 from nexrl.config.schema import TrainServiceConfig
 from nexrl.training import wire
+from nexrl.training.backends import REMOTE, TRAIN_ENGINES
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
-
-BACKENDS = ("builtin", "process", "remote")
 
 
 def as_service_config(config: TrainServiceConfig | Mapping[str, Any] | None) -> TrainServiceConfig:
@@ -58,9 +57,9 @@ class TrainServiceClient:
     ) -> None:
         cfg = as_service_config(config)
         self.backend = "builtin" if cfg.backend == "auto" else cfg.backend
-        if self.backend not in BACKENDS:
-            raise ValueError(f"train_service.backend={self.backend!r}; choose one of {BACKENDS}")
-        if self.backend == "remote" and not cfg.url:
+        if self.backend != REMOTE:
+            TRAIN_ENGINES.check(self.backend)  # an unknown name fails here, naming the choices
+        if self.backend == REMOTE and not cfg.url:
             raise ValueError("train_service.backend='remote' needs train_service.url")
         self.config = cfg
         self.engine_config = EngineConfig.from_mapping(engine_config)
@@ -82,14 +81,8 @@ class TrainServiceClient:
     def initialize(self) -> None:
         """Build the engine (here or in its child process), or check that the remote
         service answers."""
-        if self.backend == "builtin":
-            from nexrl.training.torch_engine import TorchTrainEngine
-
-            self._engine = TorchTrainEngine(self.engine_config, self.model_path)
-        elif self.backend == "process":
-            from nexrl.training.process_engine import ProcessTrainEngine
-
-            self._engine = ProcessTrainEngine(self.engine_config, self.model_path)
+        if self.backend != REMOTE:
+            self._engine = TRAIN_ENGINES.get(self.backend)(self.engine_config, self.model_path)
         else:
             self._http = _Http(self.config)
             health = self._http.json("GET", "/health", idempotent=True)

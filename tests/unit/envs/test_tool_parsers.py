@@ -78,5 +78,5 @@ def test_mistral():
 
 
 def test_unknown_parser_lists_known_names():
-    with pytest.raises(ValueError, match="known: .*hermes"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; valid choices: hermes"):
         get_parser("nope")
