@@ -14,17 +14,18 @@ once training is done:
 
 The loops (each a thread, or a thread inside a Ray actor) and their calls:
 
-    DataLoader <-get/requeue- WSC.admission <-acquire_task/complete_task- RolloutWorker xN
-                                 ^ form_batch (one call per batch)          | put group
-                                 +--------------- TrajectoryPool <----------+
+    DataLoader <-get/requeue- TaskAdmission <-acquire/complete- RolloutWorker xN
+                                 ^ form_batch (one call per batch)   | put group
+                                 +--------- TrajectoryPool <---------+
     TrainBatchPool <-put- AlgorithmProcessor <-get batch- TrajectoryPool
     TrainWorker -get-> TrainBatchPool; train step; export; notify -> WSC -push-> engine
+    WSC -set_version / hold-> TaskAdmission
 
 One owner per job:
 
-    handing out and re-queueing tasks   WeightSyncController.admission (TaskAdmission)
+    handing out and re-queueing tasks   TaskAdmission (nexrl/rollout/admission.py)
     staleness of a forming batch        the same, in `form_batch`
-    pushing weights, versions           WeightSyncController
+    pushing weights, versions           WeightSyncController (nexrl/weight_sync.py)
     when to validate                    WeightSyncController decides, the controller runs it
 
 Who waits for what, and what unblocks it:
@@ -104,7 +105,7 @@ class NexRLController:
             self._monitor.stall_report_s,
             lambda: describe_stall(
                 self.system.trajectory_pool,
-                self.system.weight_sync_controller,
+                self.system.task_admission,
                 self.activity_tracker,
                 self._tag,
             ),
@@ -230,7 +231,7 @@ class NexRLController:
             return False
         # a task between two modules (taken from a pool, its bracket not begun) is in no
         # pool and not in flight: only the task ledger sees it until it is trained
-        if execute(s.weight_sync_controller.pending_tasks):
+        if execute(s.task_admission.pending_count):
             return False
         s.flush_tracker()  # the last brackets' queued calls are on record before we ask
         return (
@@ -300,7 +301,7 @@ class NexRLController:
         # tasks handed out but not trained at the save go first (exactly once)
         pending = state.get("pending_tasks") or []
         if pending:
-            execute(s.weight_sync_controller.restore_tasks, pending)
+            execute(s.task_admission.restore, pending)
         execute(s.train_workers[0].export_sync_weights)
         execute(s.weight_sync_controller.resume_from, self._tag, state["step"])
         execute(self.activity_tracker.set_training_step, state["step"])

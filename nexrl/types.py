@@ -149,6 +149,7 @@ class NexRLRole(Enum):
     TRAJECTORY_POOL = "trajectory_pool"
     TRAIN_BATCH_POOL = "train_batch_pool"
     WEIGHT_SYNC_CONTROLLER = "weight_sync_controller"
+    TASK_ADMISSION = "task_admission"
     DATA_LOADER = "data_loader"
     VALIDATE_DATALOADER = "validate_dataloader"
     VALIDATOR = "validator"

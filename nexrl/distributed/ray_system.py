@@ -6,7 +6,7 @@ One actor per colocation group: by default (`ray.layout: one_actor`) every modul
 a `main` actor; `rollout_train` splits it in two:
 
     rollout  rollout_worker(s), weight_sync_controller   (share the in-process engine),
-             data_loader, validate_dataloader, trajectory_pool, validator
+             task_admission, data_loader, validate_dataloader, trajectory_pool, validator
     train    train_worker(s), algorithm_processor, train_batch_pool
 
 (`ray.colocation` overrides single roles), plus one ActivityTracker actor that every
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -32,10 +33,22 @@ from nexrl.distributed.settings import IN_PROCESS_BACKENDS, RaySettings, actor_e
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
 from nexrl.execute import set_default_timeout
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+from nexrl.protocols import (
+    DataLoaderLike,
+    ProcessorLike,
+    RolloutWorkerLike,
+    TaskAdmissionLike,
+    TrainBatchPoolLike,
+    TrainWorkerLike,
+    TrajectoryPoolLike,
+    ValidatorLike,
+    WeightSyncLike,
+)
 from nexrl.system import ModuleSystem
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 def check_layout(cfg: DictConfig, colocation: dict[str, str | None]) -> None:
@@ -159,20 +172,25 @@ class RaySystem(ModuleSystem):
         self.wire()  # the same wiring calls as local mode, through execute
 
     def _bind_wrappers(self) -> None:
-        def one(role: NexRLRole) -> Any:
-            return self.resource_manager.get_actor_wrapper(role)[0]
+        """Each role's actor wrapper, typed by the role's Protocol: a wrapper has the
+        module's public methods (as Ray actor methods that `execute` calls)."""
 
-        self.dataloader = one(NexRLRole.DATA_LOADER)
-        self.validate_dataloader = one(NexRLRole.VALIDATE_DATALOADER)
-        self.trajectory_pool = one(NexRLRole.TRAJECTORY_POOL)
-        self.train_batch_pool = one(NexRLRole.TRAIN_BATCH_POOL)
-        self.algorithm_processor = one(NexRLRole.ALGORITHM_PROCESSOR)
-        self.weight_sync_controller = one(NexRLRole.WEIGHT_SYNC_CONTROLLER)
-        self.validator = one(NexRLRole.VALIDATOR)
-        self.train_workers = list(self.resource_manager.get_actor_wrapper(NexRLRole.TRAIN_WORKER))
-        self.rollout_workers = list(
-            self.resource_manager.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
-        )
+        def all_of(role: NexRLRole) -> list[Any]:
+            return list(self.resource_manager.get_actor_wrapper(role))
+
+        def one(role: NexRLRole) -> Any:
+            return all_of(role)[0]
+
+        self.dataloader = cast(DataLoaderLike, one(NexRLRole.DATA_LOADER))
+        self.validate_dataloader = cast(DataLoaderLike, one(NexRLRole.VALIDATE_DATALOADER))
+        self.trajectory_pool = cast(TrajectoryPoolLike, one(NexRLRole.TRAJECTORY_POOL))
+        self.train_batch_pool = cast(TrainBatchPoolLike, one(NexRLRole.TRAIN_BATCH_POOL))
+        self.algorithm_processor = cast(ProcessorLike, one(NexRLRole.ALGORITHM_PROCESSOR))
+        self.weight_sync_controller = cast(WeightSyncLike, one(NexRLRole.WEIGHT_SYNC_CONTROLLER))
+        self.task_admission = cast(TaskAdmissionLike, one(NexRLRole.TASK_ADMISSION))
+        self.validator = cast(ValidatorLike, one(NexRLRole.VALIDATOR))
+        self.train_workers = cast(list[TrainWorkerLike], all_of(NexRLRole.TRAIN_WORKER))
+        self.rollout_workers = cast(list[RolloutWorkerLike], all_of(NexRLRole.ROLLOUT_WORKER))
 
     def restarted_actors(self, settle: bool = False) -> dict[str, list[str]]:
         """Module actors that restarted since the last call; they stay fenced (calls raise
@@ -180,7 +198,7 @@ class RaySystem(ModuleSystem):
         first wait (up to `ray.execute_timeout_s`) for actors Ray is restarting."""
         return self.resource_manager.restarted(settle, self.settings.execute_timeout_s)
 
-    def on_checkpoint_node(self, fn: Any, *args: Any) -> Any:
+    def on_checkpoint_node(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(*args)` in a task on the train worker's node: its disk holds the checkpoints
         (nexrl/distributed/nodes.py)."""
         actor = self.resource_manager.actors[self._train_group]

@@ -61,7 +61,8 @@ def quiesce_and_reset(system: Any, restarted: dict[str, list[str]], timeout: flo
     execute(system.validator.clear)
     for worker in system.rollout_workers:
         execute(worker.end_validate)
-    execute(system.weight_sync_controller.reset_tasks)
+    execute(system.task_admission.reset)
+    execute(system.weight_sync_controller.reset)
 
 
 def restart_loops(system: Any) -> None:

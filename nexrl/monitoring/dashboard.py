@@ -36,6 +36,7 @@ from typing import Any
 
 from nexrl.execute import execute
 from nexrl.monitoring.errors import ErrorReporter
+from nexrl.types import DEFAULT_MODEL_TAG
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def pipeline_state_fn(system: Any) -> Callable[[], dict[str, Any]]:
         return {
             "trajectory_pool_ready": execute(system.trajectory_pool.num_ready),
             "train_batch_pool": execute(system.train_batch_pool.qsize),
-            "admission": execute(system.weight_sync_controller.get_admission_state),
+            "admission": execute(system.task_admission.snapshot, DEFAULT_MODEL_TAG),
         }
 
     return state

@@ -191,16 +191,16 @@ class StallReporter:
         return message
 
 
-def describe_stall(pool: Any, wsc: Any, tracker: Any, model_tag: str) -> str:
+def describe_stall(pool: Any, admission: Any, tracker: Any, model_tag: str) -> str:
     """The state a stall report names: the trajectory pool's groups, the task owner's
     admission, the work in flight (which worker does what) and the last error."""
     from nexrl.execute import execute
 
-    admission = execute(wsc.get_admission_state, model_tag)
+    state = execute(admission.snapshot, model_tag)
     running = " ".join(execute(tracker.get_running_status_summary).split())
     health = execute(tracker.get_error_health_status)
     return (
-        f"{execute(pool.describe_wait, model_tag)}; admission {admission}; {running}; "
+        f"{execute(pool.describe_wait, model_tag)}; admission {state}; {running}; "
         f"last error: {health.get('message', 'none')}"
     )
 

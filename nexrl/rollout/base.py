@@ -5,9 +5,9 @@
 `task.get(...)`, `"prompt" in task`; the row itself is `task.data`) and the answer
 a `StepResult` (or its string, or None for "failed before a trajectory existed",
 as in seed 000). The loop never routes a task itself: it gets tasks from the
-weight-sync controller (`acquire_task`, which applies admission) and gives every
-task back with the step's result (`complete_task`), which re-queues, retries,
-counts or defers it (nexrl/rollout/admission.py). An exception inside `step` is
+task owner (`TaskAdmission.acquire`, which applies admission) and gives every
+task back with the step's result (`TaskAdmission.complete`), which re-queues,
+retries, counts or defers it (nexrl/rollout/admission.py). An exception inside `step` is
 reported through the activity tracker and counts as FAIL, so no task is lost.
 
 Groups are formed by episode. A training task's trajectories are collected while
@@ -47,7 +47,7 @@ from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.protocols import (
-    DataLoaderLike,
+    TaskAdmissionLike,
     TrajectoryPoolLike,
     ValidatorLike,
     WeightSyncLike,
@@ -136,30 +136,30 @@ class BaseRolloutWorker(LoopModule):
         self._per_thread = threading.local()  # `current_task`, one per running step
         self._helpers: HelperThreads | None = None  # validation tasks side by side
         self._trajectory_pool: TrajectoryPoolLike | None = None
-        self._dataloader: DataLoaderLike | None = None
+        self._admission: TaskAdmissionLike | None = None
         self._weight_sync_controller: WeightSyncLike | None = None
-        self._validate_dataloader: DataLoaderLike | None = None
         self._validator: ValidatorLike | None = None
         self._loop = LoopThread(f"rollout-{id(self):x}", self._loop_once)
 
     def set_module_references(
         self,
         trajectory_pool: TrajectoryPoolLike,
-        dataloader: DataLoaderLike,
+        task_admission: TaskAdmissionLike,
         weight_sync_controller: WeightSyncLike,
-        validate_dataloader: DataLoaderLike | None = None,
         validator: ValidatorLike | None = None,
     ) -> None:
+        """Tasks come from and go back to `task_admission`; groups go to the pool,
+        validation trajectories to `validator`; the client asks `weight_sync_controller`
+        whether a push holds new requests."""
         self._trajectory_pool = trajectory_pool
-        self._dataloader = dataloader
+        self._admission = task_admission
         self._weight_sync_controller = weight_sync_controller
-        self._validate_dataloader = validate_dataloader
         self._validator = validator
         self._llm_client.set_weight_sync_controller(weight_sync_controller)
 
     # -- lifecycle ---------------------------------------------------------
     def run(self) -> None:
-        if self._weight_sync_controller is None or self._activity_tracker is None:
+        if self._admission is None or self._activity_tracker is None:
             raise RuntimeError(f"{self._module_name}: set module references and tracker first")
         super().run()
 
@@ -223,7 +223,7 @@ class BaseRolloutWorker(LoopModule):
                 result = StepResult.FAIL
             finally:
                 self._per_thread.episodes = None
-            execute(self._weight_sync_controller.complete_task, self._model_tag(), task, result)
+            execute(self._admission.complete, self._model_tag(), task, result)
 
     def _run_steps(self, task: Task) -> StepResult:
         """`step` until the task's group is complete, then the group into the pool."""
@@ -272,15 +272,14 @@ class BaseRolloutWorker(LoopModule):
 
     # -- data flow (seed 000 names) ------------------------------------------------
     def _get_rollout_task(self) -> Task | None:
-        wsc = self._weight_sync_controller
-        return execute(wsc.acquire_task, self._model_tag(), BLOCKING_GET_WAIT_S)
+        return execute(self._admission.acquire, self._model_tag(), BLOCKING_GET_WAIT_S)
 
     def _put_rollout_task(self, task: dict[str, Any] | Task) -> bool:
         """Give a task back to the front of its loader (through the task owner)."""
         if not isinstance(task, Task):
             validate = self.is_validating_task
             task = Task(data=dict(task), is_validate=validate)
-        execute(self._weight_sync_controller.requeue_task, task)
+        execute(self._admission.requeue, task)
         return True
 
     def _put_trajectory(self, trajectory: Trajectory) -> StepResult:

@@ -27,7 +27,12 @@ from nexrl.execute import execute, is_remote
 from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_to_arrays
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.samples import with_staleness
-from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
+from nexrl.protocols import (
+    DataLoaderLike,
+    TaskAdmissionLike,
+    TrainBatchPoolLike,
+    WeightSyncLike,
+)
 from nexrl.training.checkpoint import atomic_directory
 from nexrl.training.client import TrainServiceClient
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
@@ -138,6 +143,7 @@ class TrainWorker(LoopModule):
         self._train_batch_pool: TrainBatchPoolLike | None = None
         self._weight_sync_controller: WeightSyncLike | None = None
         self._dataloader: DataLoaderLike | None = None
+        self._admission: TaskAdmissionLike | None = None
         self._loop = LoopThread("train-worker", self._loop_once)
 
     def set_module_references(
@@ -145,10 +151,13 @@ class TrainWorker(LoopModule):
         train_batch_pool: TrainBatchPoolLike,
         weight_sync_controller: WeightSyncLike,
         dataloader: DataLoaderLike | None = None,
+        task_admission: TaskAdmissionLike | None = None,
     ) -> None:
+        """`task_admission`: the task owner whose pending tasks each checkpoint saves."""
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller
         self._dataloader = dataloader
+        self._admission = task_admission
 
     def initialize_workers(self) -> None:
         self._client.initialize()
@@ -335,9 +344,8 @@ class TrainWorker(LoopModule):
         """The loader position and the tasks handed out but not trained after `step` steps,
         from the task owner in one snapshot (exactly once across crashes); without one,
         the loader position alone."""
-        wsc = self._weight_sync_controller
-        if wsc is not None and hasattr(wsc, "checkpoint_tasks"):
-            state = execute(wsc.checkpoint_tasks, self._model_tag, step)
+        if self._admission is not None:
+            state = execute(self._admission.checkpoint_state, self._model_tag, step)
             if state.get("dataloader") is None:
                 state.pop("dataloader", None)
             return state
