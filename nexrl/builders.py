@@ -32,8 +32,8 @@ from nexrl.registry import Registry
 from nexrl.types import NexRLRole
 
 if TYPE_CHECKING:
-    from nexrl.training.config import EngineConfig
     from nexrl.inference.client import LLMServiceClient
+    from nexrl.training.config import EngineConfig
 
 ROLLOUT_WORKERS = Registry("rollout worker", "rollout_worker.type")
 ROLLOUT_WORKERS.add("single_turn", "nexrl.rollout.workers:SingleTurnRolloutWorker")

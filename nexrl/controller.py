@@ -37,7 +37,7 @@ Who waits for what, and what unblocks it:
     |                   |                               | end_validate                        |
     | processor         | a batch of whole groups       | a group put (or the data's tail)    |
     | train worker      | a processed batch             | the processor's put_batch           |
-    | async push        | running rollouts (batch-async)| their complete_task                 |
+    | async push        | running rollouts (batch-async)| their `TaskAdmission.complete`      |
     |                   | a running validation          | the controller's end_validate       |
     | controller        | a validation to finish        | every validation task back          |
 """
