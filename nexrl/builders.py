@@ -87,9 +87,12 @@ def build_rollout_worker(cfg: DictConfig) -> RolloutWorkerLike:
     cls = ROLLOUT_WORKERS.get(config.type)
     context = RolloutContext.from_config(cfg, inflight_capable(cfg))
     client = build_llm_client(cfg)
+    worker: RolloutWorkerLike
     if config.type == "simple":
-        return cls(config, client, context)
-    return cls(config, client, context, get_reward_fn(config.reward_fn))
+        worker = cls(config, client, context)
+    else:
+        worker = cls(config, client, context, get_reward_fn(config.reward_fn))
+    return worker
 
 
 def build_trajectory_pool(cfg: DictConfig) -> TrajectoryPoolLike:
@@ -111,7 +114,8 @@ def build_algorithm_processor(cfg: DictConfig) -> ProcessorLike:
 
     config = section(cfg.algorithm)
     cls = PROCESSORS.get(config.type)
-    pad_id = AutoTokenizer.from_pretrained(cfg.model_path).pad_token_id or 0
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # type: ignore[no-untyped-call]
+    pad_id = tokenizer.pad_token_id or 0
     from nexrl.data.tasks import is_builtin_data, warn_own_data_defaults
 
     warn_own_data_defaults(cfg.data.path, cfg.rollout_worker.max_tokens)
@@ -121,7 +125,8 @@ def build_algorithm_processor(cfg: DictConfig) -> ProcessorLike:
         pad_token_id=pad_id,
         warn_truncated=not is_builtin_data(cfg.data.path),
     )
-    return cls(config, context)
+    processor: ProcessorLike = cls(config, context)
+    return processor
 
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
@@ -130,7 +135,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     engine and the trainer take turns there, so the update has every core. The trainer
     takes a GPU whenever there is one, and there it keeps the rule of `threads_for`
     (docs/training.md)."""
-    engine = section(cfg.train_worker.engine)
+    engine: EngineConfig = section(cfg.train_worker.engine)
     engine.total_steps = engine.total_steps or cfg.train_worker.total_train_steps
     if engine.threads is None and cfg.launch_mode == "local" and cfg.weight.sync_mode == "sync":
         import torch

@@ -290,9 +290,10 @@ class NexRLController:
         the weights are pushed as version `step`. Returns the step."""
         s = self.system
         path, state = self._load_or_fall_back(path)
-        if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
+        load_state = getattr(s.dataloader, "load_state_dict", None)  # a loader may keep none
+        if "dataloader" in state and load_state is not None:
             try:
-                execute(s.dataloader.load_state_dict, state["dataloader"])
+                execute(load_state, state["dataloader"])
             except ValueError as exc:  # a config that does not match the run's data
                 raise TrainingAborted(
                     f"cannot resume from {path}: {exc} (the run was started with another "
@@ -341,7 +342,7 @@ class NexRLController:
         if resume.mode == "from_path":
             if not resume.resume_path:
                 raise ValueError("resume.mode=from_path needs resume.resume_path")
-            return resume.resume_path
+            return str(resume.resume_path)
         return self.system.on_checkpoint_node(
             find_resume_checkpoint, self._config, self._explicit_ckpt
         )

@@ -103,8 +103,8 @@ class ModuleSystem:
             self.train_batch_pool,
             self.train_workers[0],
         )
-        for worker in self.train_workers:
-            execute(worker.set_module_references, self.train_batch_pool, wsc, loader, tasks)
+        for trainer in self.train_workers:
+            execute(trainer.set_module_references, self.train_batch_pool, wsc, loader, tasks)
         execute(self.validator.set_module_references, self.validate_dataloader)
 
     def restarted_actors(self, settle: bool = False) -> dict[str, list[str]]:

@@ -107,7 +107,8 @@ def start_inference_replicas(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, index),
             runtime_env=runtime_env_for(env),
         )
-        actors.append(ray.remote(InferenceReplica).options(**options).remote(engine_config))
+        replica: Any = ray.remote(InferenceReplica)  # an actor class (Ray's stubs say function)
+        actors.append(replica.options(**options).remote(engine_config))
     ray.get([a.health.remote() for a in actors])
     cfg = cfg.copy()
     with open_dict(cfg):
@@ -202,7 +203,8 @@ class RaySystem(ModuleSystem):
         """`fn(*args)` in a task on the train worker's node: its disk holds the checkpoints
         (nexrl/distributed/nodes.py)."""
         actor = self.resource_manager.actors[self._train_group]
-        return run_on_node(ray.get(actor.node_id.remote()), fn, *args)
+        result: R = run_on_node(ray.get(actor.node_id.remote()), fn, *args)
+        return result
 
     def describe_failure(self) -> str | None:
         """Which node(s) of this run left the cluster, and what to do; None if none did."""

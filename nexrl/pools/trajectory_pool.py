@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from nexrl.config.schema import TrajectoryPoolConfig
 from nexrl.execute import execute
@@ -48,6 +49,9 @@ from nexrl.types import (
     Trajectory,
     check_trajectory,
 )
+
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTrackerProxy
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +327,7 @@ class TrajectoryPool(NexRLModule):
         self._refs.dataloader = dataloader
         self._refs.admission = task_admission
 
-    def set_activity_tracker(self, tracker: TrackerLike) -> None:
+    def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
         super().set_activity_tracker(tracker)
         self._refs.tracker = tracker
 
@@ -387,7 +391,7 @@ class TrajectoryPool(NexRLModule):
             if batch is not None or left <= 0:
                 return batch
             with self._arrived:
-                self._arrived.wait_for(lambda seen=seen: self._arrivals != seen, timeout=left)
+                self._arrived.wait_for(lambda: self._arrivals != seen, timeout=left)  # noqa: B023
 
     def _get_batch_now(self, batch_size: int | None, model_tag: ModelTag | None) -> Batch | None:
         for inst in self._selected(model_tag):

@@ -375,8 +375,8 @@ class TaskAdmission(NexRLModule):
         together: `{"dataloader": state or None, "pending_tasks": [item_to_state, ...]}`."""
         with self._io:
             loader = self._loader
-            has_state = loader is not None and hasattr(loader, "state_dict")
-            loader_state = execute(loader.state_dict) if loader is not None and has_state else None
+            state_dict = getattr(loader, "state_dict", None)  # a loader may keep no position
+            loader_state = execute(state_dict) if state_dict is not None else None
             with self._cond:
                 formed = self._state(tag).formed
                 done = {task_id for i, ids in formed.items() if i < trained for task_id in ids}

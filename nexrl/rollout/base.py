@@ -39,7 +39,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omegaconf import DictConfig
 
@@ -57,7 +57,11 @@ from nexrl.rollout.helpers import HelperThreads
 from nexrl.rollout.sample_policy import resolve_inflight, resolve_partial
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTrackerProxy
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RewardFn = Callable[..., float]
 _TOKEN_KEYS = ("prompt_ids", "response_ids", "response_logprobs", "finish_reason")
@@ -96,6 +100,13 @@ class RolloutContext:
                 -cfg.validate.concurrency // cfg.rollout_worker.num_workers
             ),
         )
+
+
+def wired(ref: T | None, what: str) -> T:
+    """`ref`, set by the wiring (`set_module_references`, `set_activity_tracker`)."""
+    if ref is None:
+        raise RuntimeError(f"rollout worker: no {what}; the system wires it before the loop runs")
+    return ref
 
 
 class BaseRolloutWorker(LoopModule):
@@ -194,6 +205,11 @@ class BaseRolloutWorker(LoopModule):
         return super().health_check() and helpers_ok
 
     @property
+    def tracker(self) -> ActivityTrackerProxy:
+        """The activity tracker proxy (set by the system before the loop runs)."""
+        return wired(self._activity_tracker, "activity tracker")
+
+    @property
     def current_task(self) -> Task | None:
         """The task whose `step` runs on the calling thread (None outside a step)."""
         return getattr(self._per_thread, "task", None)
@@ -214,7 +230,7 @@ class BaseRolloutWorker(LoopModule):
 
     def _run_task(self, task: Task) -> None:
         self.current_task = task
-        tracker = self._activity_tracker
+        tracker = self.tracker
         with tracker.track(self._module_name, "rollout", auto_report_errors=False):
             try:
                 result = self._run_steps(task)
@@ -223,7 +239,7 @@ class BaseRolloutWorker(LoopModule):
                 result = StepResult.FAIL
             finally:
                 self._per_thread.episodes = None
-            execute(self._admission.complete, self._model_tag(), task, result)
+            execute(wired(self._admission, "task owner").complete, self._model_tag(), task, result)
 
     def _run_steps(self, task: Task) -> StepResult:
         """`step` until the task's group is complete, then the group into the pool."""
@@ -256,7 +272,8 @@ class BaseRolloutWorker(LoopModule):
         group = [t for episode in episodes for t in episode]
         for t in group:
             check_trajectory(t)
-        return StepResult.of(execute(self._trajectory_pool.put_trajectory_group, group))
+        pool = wired(self._trajectory_pool, "trajectory pool")
+        return StepResult.of(execute(pool.put_trajectory_group, group))
 
     def step(self, task: Task) -> StepResult | str | None:
         """Turn one task into trajectories and hand them on (see module docstring)."""
@@ -272,14 +289,15 @@ class BaseRolloutWorker(LoopModule):
 
     # -- data flow (seed 000 names) ------------------------------------------------
     def _get_rollout_task(self) -> Task | None:
-        return execute(self._admission.acquire, self._model_tag(), BLOCKING_GET_WAIT_S)
+        owner = wired(self._admission, "task owner")
+        return execute(owner.acquire, self._model_tag(), BLOCKING_GET_WAIT_S)
 
     def _put_rollout_task(self, task: dict[str, Any] | Task) -> bool:
         """Give a task back to the front of its loader (through the task owner)."""
         if not isinstance(task, Task):
             validate = self.is_validating_task
             task = Task(data=dict(task), is_validate=validate)
-        execute(self._admission.requeue, task)
+        execute(wired(self._admission, "task owner").requeue, task)
         return True
 
     def _put_trajectory(self, trajectory: Trajectory) -> StepResult:
@@ -298,14 +316,15 @@ class BaseRolloutWorker(LoopModule):
         if task is not None and task.is_validate:
             for episode in done:
                 for t in episode:
-                    execute(self._validator.put_trajectory, t)
+                    execute(wired(self._validator, "validator").put_trajectory, t)
             return StepResult.SUCCESS
         collected = getattr(self._per_thread, "episodes", None)
         if collected is None:  # outside a task's step (a direct call): straight to the pool
             group = [t for e in done for t in e]
             for t in group:
                 check_trajectory(t)
-            return StepResult.of(execute(self._trajectory_pool.put_trajectory_group, group))
+            pool = wired(self._trajectory_pool, "trajectory pool")
+            return StepResult.of(execute(pool.put_trajectory_group, group))
         collected.extend(done)
         return StepResult.SUCCESS
 
@@ -360,7 +379,8 @@ class BaseRolloutWorker(LoopModule):
         """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its
         named components land in `sample["scores"]`. A failed call raises `RewardFailed`
         (reported, the task retried) and is counted in `rewards/failed/<kind>`."""
-        return self._reward_of(row, sample, self._rewards.score(*self._reward_call(row, sample)))
+        rewards = wired(self._rewards, "reward_fn")
+        return self._reward_of(row, sample, rewards.score(*self._reward_call(row, sample)))
 
     def score_group(self, row: dict[str, Any], samples: list[dict[str, Any]]) -> list[float]:
         """`score` of every sample of one task in one runner call (one thread hop per group,
@@ -371,7 +391,7 @@ class BaseRolloutWorker(LoopModule):
             RewardCall(prompt, s["response"], s.get("prompt_ids"), s.get("response_ids"), data)
             for s in samples
         ]
-        with contextlib.closing(self._rewards.iter_scores(calls)) as outcomes:
+        with contextlib.closing(wired(self._rewards, "reward_fn").iter_scores(calls)) as outcomes:
             return [self._reward_of(row, s, o) for s, o in zip(samples, outcomes, strict=True)]
 
     def _reward_call(self, row: dict[str, Any], sample: dict[str, Any]) -> RewardCall:
@@ -388,13 +408,13 @@ class BaseRolloutWorker(LoopModule):
         self, row: dict[str, Any], sample: dict[str, Any], outcome: RewardOutcome
     ) -> float:
         if not outcome.ok:
-            self._activity_tracker.increment(f"rewards/failed/{outcome.error}")
+            self.tracker.increment(f"rewards/failed/{outcome.error}")
             raise RewardFailed(
                 f"reward {outcome.error} on task {row.get('uid')!r}: {outcome.detail}"
             )
         if outcome.scores:
             sample["scores"] = dict(outcome.scores)
-        return float(outcome.reward)
+        return float(wired(outcome.reward, "reward in a successful outcome"))
 
     def pause(self) -> None:
         """Also end a validation's helper round (a rewind pauses every loop, waits for
