@@ -32,11 +32,14 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl.execute import execute
 from nexrl.monitoring.errors import ErrorReporter
 from nexrl.types import DEFAULT_MODEL_TAG
+
+if TYPE_CHECKING:
+    from nexrl.system import ModuleSystem
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +158,7 @@ def recent_errors(tracker: Any, n: int = 20) -> list[dict[str, Any]]:
     ]
 
 
-def pipeline_state_fn(system: Any) -> Callable[[], dict[str, Any]]:
+def pipeline_state_fn(system: ModuleSystem) -> Callable[[], dict[str, Any]]:
     """The `state_fn` for a `ModuleSystem`: pool sizes and the admission ledger, through
     the modules' public methods (so Ray actors work too)."""
 

@@ -18,10 +18,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+if TYPE_CHECKING:
+    from nexrl.protocols import TaskAdmissionLike, TrajectoryPoolLike
 
 DEFAULT_CONSOLE_KEYS = ("reward/mean", "val/reward", "throughput/samples_per_s")
 """Keys the train worker and the validator emit (`nexrl/training/train_worker.py`,
@@ -191,7 +194,9 @@ class StallReporter:
         return message
 
 
-def describe_stall(pool: Any, admission: Any, tracker: Any, model_tag: str) -> str:
+def describe_stall(
+    pool: TrajectoryPoolLike, admission: TaskAdmissionLike, tracker: Any, model_tag: str
+) -> str:
     """The state a stall report names: the trajectory pool's groups, the task owner's
     admission, the work in flight (which worker does what) and the last error."""
     from nexrl.execute import execute

@@ -146,3 +146,33 @@ def test_wait_for_progress_returns_when_a_step_is_notified_or_times_out():
     assert seen == [1]  # woken by the step, long before the 30 s timeout
     assert wsc.is_waiting_for_validation()  # flagged before the waiter woke
     assert wsc.wait_for_progress(5, 30.0) == 1  # a count it has not seen (a rewind): at once
+
+
+def public_methods(cls) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+
+
+def test_the_weight_pusher_and_the_task_owner_have_one_job_each():
+    """Weights and versions on one side, tasks on the other: the weight-sync controller
+    keeps at most 12 methods of its own, its Protocol matches it, and no task method of
+    `TaskAdmission` is reachable through it (workers and the pool call admission)."""
+    import inspect
+
+    from nexrl.module import NexRLModule
+    from nexrl.protocols import TaskAdmissionLike, WeightSyncLike
+    from nexrl.rollout.admission import TaskAdmission
+    from nexrl.weight_sync import WeightSyncController
+
+    own = public_methods(WeightSyncController) - public_methods(NexRLModule)
+    protocol = public_methods(WeightSyncLike) - public_methods(NexRLModule)
+    assert len(own) <= 12 and len(protocol) <= 12
+    assert protocol <= own
+    for name in protocol:  # same parameters in the Protocol and the class
+        expected = inspect.signature(getattr(WeightSyncLike, name)).parameters
+        assert list(inspect.signature(getattr(WeightSyncController, name)).parameters) == list(
+            expected
+        ), name
+    task_methods = public_methods(TaskAdmission) - public_methods(NexRLModule)
+    assert not own & (task_methods - {"reset", "set_module_references"})
+    tasks, wsc, _, _ = make()
+    assert isinstance(wsc, WeightSyncLike) and isinstance(tasks, TaskAdmissionLike)
