@@ -125,6 +125,9 @@ class ModuleSystem:
         """Ray: which node(s) of the run left the cluster and what to do; None here."""
         return None
 
+    def unfence(self, groups: list[str]) -> None:
+        """Ray: calls reach the restarted actors of `groups` again (no actors here)."""
+
     def loops(self) -> list[LoopModuleLike]:
         return [*self.train_workers, self.algorithm_processor, *self.rollout_workers]
 
