@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
@@ -36,6 +36,9 @@ from nexrl.protocols import (
 from nexrl.training.checkpoint import atomic_directory
 from nexrl.training.client import TrainServiceClient
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +280,7 @@ class TrainWorker(LoopModule):
                 backend="samples", rows=with_staleness(rows, step - 1), step=step
             )
 
-    def compute_ref_logprobs(self, batch: Batch) -> Any:
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor | None:
         """(B, T) reference-model logprobs, or None without a reference model."""
         return self._client.compute_ref_logprobs(batch)
 
