@@ -49,7 +49,7 @@ class ModuleSystem:
     """The modules of one run (objects or actor wrappers, typed by their Protocol: an actor
     wrapper has the module's methods) and how they are wired."""
 
-    activity_tracker: Any  # the tracker, or its Ray actor handle (`execute` takes both)
+    activity_tracker: ActivityTracker  # Ray: its actor handle (same methods, via `execute`)
     dataloader: DataLoaderLike
     validate_dataloader: DataLoaderLike
     trajectory_pool: TrajectoryPoolLike

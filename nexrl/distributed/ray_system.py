@@ -141,7 +141,7 @@ class RaySystem(ModuleSystem):
                 cfg, self.settings, env
             )
         check_layout(cfg, self.settings.colocation)
-        self.activity_tracker = (
+        self._tracker_actor: Any = (  # Ray's stubs cannot tell an actor from its class
             ray.remote(ActivityTracker)
             .options(
                 num_cpus=0,
@@ -151,6 +151,8 @@ class RaySystem(ModuleSystem):
             )
             .remote(cfg)
         )
+        # the actor handle has the tracker's methods (as Ray methods `execute` calls)
+        self.activity_tracker = cast(ActivityTracker, self._tracker_actor)
         self.resource_manager = RayResourceManager(
             self.settings.group_options(), env_vars=module_env, tracker=self.activity_tracker
         )
@@ -223,7 +225,7 @@ class RaySystem(ModuleSystem):
     def shutdown(self) -> None:
         """Kill every actor of this run (and Ray itself if this system started it)."""
         self.resource_manager.kill_all()
-        ray.kill(self.activity_tracker, no_restart=True)
+        ray.kill(self._tracker_actor, no_restart=True)
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
         if self.replica_cluster is not None:
