@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from nexrl.inference.protocol import WeightUpdateMeta
     from nexrl.monitoring.activity import ActivityTrackerProxy
+    from nexrl.monitoring.errors import ErrorSeverity
     from nexrl.rollout.admission import BatchPlan, GroupInfo
 
 WeightArrays = dict[str, tuple[Any, str]]
@@ -67,11 +68,20 @@ class TrackerLike(Protocol):
     def increment(self, name: str, n: int = 1) -> object: ...
     def get_counters(self) -> dict[str, int]: ...
     def report_exception(
-        self, module: str, work: str, exception: BaseException, severity: Any = None
-    ) -> Any: ...
+        self,
+        module: str,
+        work: str,
+        exception: BaseException,
+        severity: ErrorSeverity | None = None,
+    ) -> object: ...
     def report_error(
-        self, module: str, work: str, message: str, severity: Any = None, details: Any = None
-    ) -> Any: ...
+        self,
+        module: str,
+        work: str,
+        message: str,
+        severity: ErrorSeverity | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> object: ...
     def is_rollout_worker_quiescent(self) -> bool: ...
     def set_training_step(self, step: int) -> None: ...
     def get_training_step(self) -> int: ...
