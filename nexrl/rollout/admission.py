@@ -134,9 +134,8 @@ class TaskAdmission(NexRLModule):
     def set_validating(self, on: bool) -> None:
         """While on, `acquire` hands out validation tasks (the weight-sync controller's
         `start_validate` / `end_validate`)."""
-        with self._cond:
+        with self._cond:  # admits no group: nobody waiting for admission is woken
             self._validating = on
-            self._cond.notify_all()
 
     def _state(self, tag: ModelTag) -> _TagState:
         if tag not in self._tags:
