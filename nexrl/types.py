@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import ItemsView, KeysView
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -119,10 +120,10 @@ class Task:
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
 
-    def keys(self) -> Any:
+    def keys(self) -> KeysView[str]:
         return self.data.keys()
 
-    def items(self) -> Any:
+    def items(self) -> ItemsView[str, Any]:
         return self.data.items()
 
 
