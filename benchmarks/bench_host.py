@@ -108,7 +108,7 @@ def nexrl_side(rows: list[dict[str, Any]]) -> tuple[Any, ...]:
     processor = GRPOProcessor(AlgorithmConfig(), ProcessorContext(PROMPTS * GROUP, 4, 0))
     for module in (worker, pool, processor):
         module.set_activity_tracker(tracker)
-    worker.set_module_references(pool, dataloader=None, weight_sync_controller=None)
+    worker.set_module_references(pool, task_admission=None, weight_sync_controller=None)
     processor.set_module_references(pool, batches)
     return worker, pool, processor, batches
 

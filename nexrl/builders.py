@@ -11,13 +11,29 @@ defaults. Named components are picked from registries (`nexrl.registry`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from nexrl.config.derived import groups_per_batch, weights_in_memory
+from nexrl.protocols import (
+    DataLoaderLike,
+    ModuleLike,
+    ProcessorLike,
+    RolloutWorkerLike,
+    TaskAdmissionLike,
+    TrainBatchPoolLike,
+    TrainWorkerLike,
+    TrajectoryPoolLike,
+    ValidatorLike,
+    WeightSyncLike,
+)
 from nexrl.registry import Registry
 from nexrl.types import NexRLRole
+
+if TYPE_CHECKING:
+    from nexrl.inference.client import LLMServiceClient
+    from nexrl.training.config import EngineConfig
 
 ROLLOUT_WORKERS = Registry("rollout worker", "rollout_worker.type")
 ROLLOUT_WORKERS.add("single_turn", "nexrl.rollout.workers:SingleTurnRolloutWorker")
@@ -45,13 +61,13 @@ def inference_config(cfg: DictConfig) -> dict[str, Any]:
     return {**plain, **plain.pop("engine", {})}
 
 
-def build_llm_client(cfg: DictConfig) -> Any:
+def build_llm_client(cfg: DictConfig) -> LLMServiceClient:
     from nexrl.inference.client import LLMServiceClient
 
     return LLMServiceClient(inference_config(cfg))
 
 
-def build_dataloader(cfg: DictConfig, is_validate: bool = False) -> Any:
+def build_dataloader(cfg: DictConfig, is_validate: bool = False) -> DataLoaderLike:
     from nexrl.data import create_dataloader
 
     return create_dataloader(
@@ -59,11 +75,11 @@ def build_dataloader(cfg: DictConfig, is_validate: bool = False) -> Any:
     )
 
 
-def build_validate_dataloader(cfg: DictConfig) -> Any:
+def build_validate_dataloader(cfg: DictConfig) -> DataLoaderLike:
     return build_dataloader(cfg, is_validate=True)
 
 
-def build_rollout_worker(cfg: DictConfig) -> Any:
+def build_rollout_worker(cfg: DictConfig) -> RolloutWorkerLike:
     from nexrl.rewards import get_reward_fn
     from nexrl.rollout.base import RolloutContext
 
@@ -71,31 +87,35 @@ def build_rollout_worker(cfg: DictConfig) -> Any:
     cls = ROLLOUT_WORKERS.get(config.type)
     context = RolloutContext.from_config(cfg, inflight_capable(cfg))
     client = build_llm_client(cfg)
+    worker: RolloutWorkerLike
     if config.type == "simple":
-        return cls(config, client, context)
-    return cls(config, client, context, get_reward_fn(config.reward_fn))
+        worker = cls(config, client, context)
+    else:
+        worker = cls(config, client, context, get_reward_fn(config.reward_fn))
+    return worker
 
 
-def build_trajectory_pool(cfg: DictConfig) -> Any:
+def build_trajectory_pool(cfg: DictConfig) -> TrajectoryPoolLike:
     from nexrl.pools import TrajectoryPool
 
     return TrajectoryPool(section(cfg.trajectory_pool))
 
 
-def build_train_batch_pool(cfg: DictConfig) -> Any:
+def build_train_batch_pool(cfg: DictConfig) -> TrainBatchPoolLike:
     from nexrl.pools import TrainBatchPool
 
     return TrainBatchPool(section(cfg.train_batch_pool))
 
 
-def build_algorithm_processor(cfg: DictConfig) -> Any:
+def build_algorithm_processor(cfg: DictConfig) -> ProcessorLike:
     from transformers import AutoTokenizer
 
     from nexrl.algorithms.processor import ProcessorContext
 
     config = section(cfg.algorithm)
     cls = PROCESSORS.get(config.type)
-    pad_id = AutoTokenizer.from_pretrained(cfg.model_path).pad_token_id or 0
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # type: ignore[no-untyped-call]
+    pad_id = tokenizer.pad_token_id or 0
     from nexrl.data.tasks import is_builtin_data, warn_own_data_defaults
 
     warn_own_data_defaults(cfg.data.path, cfg.rollout_worker.max_tokens)
@@ -105,16 +125,17 @@ def build_algorithm_processor(cfg: DictConfig) -> Any:
         pad_token_id=pad_id,
         warn_truncated=not is_builtin_data(cfg.data.path),
     )
-    return cls(config, context)
+    processor: ProcessorLike = cls(config, context)
+    return processor
 
 
-def engine_config(cfg: DictConfig) -> Any:
+def engine_config(cfg: DictConfig) -> EngineConfig:
     """The train engine section, with `total_steps` defaulting to the run's step count
     and, in a local sync run on a CPU, `threads` to the process's torch threads: the
     engine and the trainer take turns there, so the update has every core. The trainer
     takes a GPU whenever there is one, and there it keeps the rule of `threads_for`
     (docs/training.md)."""
-    engine = section(cfg.train_worker.engine)
+    engine: EngineConfig = section(cfg.train_worker.engine)
     engine.total_steps = engine.total_steps or cfg.train_worker.total_train_steps
     if engine.threads is None and cfg.launch_mode == "local" and cfg.weight.sync_mode == "sync":
         import torch
@@ -124,7 +145,7 @@ def engine_config(cfg: DictConfig) -> Any:
     return engine
 
 
-def build_train_worker(cfg: DictConfig, client: Any = None) -> Any:
+def build_train_worker(cfg: DictConfig, client: Any = None) -> TrainWorkerLike:
     """The train worker; `client` replaces the configured train service client (Ray's
     data-parallel worker group passes its own)."""
     from nexrl.training.client import TrainServiceClient
@@ -150,7 +171,7 @@ def inflight_capable(cfg: DictConfig) -> bool:
     return cfg.service.inference_service.backend in ("builtin", "remote", "vllm")
 
 
-def build_weight_sync_controller(cfg: DictConfig) -> Any:
+def build_weight_sync_controller(cfg: DictConfig) -> WeightSyncLike:
     from nexrl.weight_sync import WeightSyncController
 
     backend = cfg.service.inference_service.backend
@@ -165,20 +186,29 @@ def build_weight_sync_controller(cfg: DictConfig) -> Any:
         section(cfg.weight),
         build_llm_client(cfg),
         cfg.train_worker.sync_weight_path,
-        groups_per_batch=groups_per_batch(cfg),
-        max_task_retries=cfg.rollout_worker.max_task_retries,
         inflight_capable=capable,
         last_step=cfg.train_worker.total_train_steps or 0,
     )
 
 
-def build_validator(cfg: DictConfig) -> Any:
+def build_task_admission(cfg: DictConfig) -> TaskAdmissionLike:
+    """The task owner: admission under the `weight.*` staleness policy, routing, re-queues."""
+    from nexrl.rollout.admission import TaskAdmission
+    from nexrl.rollout.sample_policy import SamplePolicy
+
+    policy = SamplePolicy.from_config(
+        section(cfg.weight), groups_per_batch(cfg), inflight_capable(cfg)
+    )
+    return TaskAdmission(policy, cfg.rollout_worker.max_task_retries)
+
+
+def build_validator(cfg: DictConfig) -> ValidatorLike:
     from nexrl.validation import Validator
 
     return Validator(section(cfg.validate))
 
 
-BUILDERS: dict[NexRLRole, Callable[[DictConfig], Any]] = {
+BUILDERS: dict[NexRLRole, Callable[[DictConfig], ModuleLike]] = {
     NexRLRole.DATA_LOADER: build_dataloader,
     NexRLRole.VALIDATE_DATALOADER: build_validate_dataloader,
     NexRLRole.ROLLOUT_WORKER: build_rollout_worker,
@@ -187,5 +217,6 @@ BUILDERS: dict[NexRLRole, Callable[[DictConfig], Any]] = {
     NexRLRole.ALGORITHM_PROCESSOR: build_algorithm_processor,
     NexRLRole.TRAIN_WORKER: build_train_worker,
     NexRLRole.WEIGHT_SYNC_CONTROLLER: build_weight_sync_controller,
+    NexRLRole.TASK_ADMISSION: build_task_admission,
     NexRLRole.VALIDATOR: build_validator,
 }

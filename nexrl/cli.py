@@ -23,7 +23,10 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nexrl.controller import NexRLController
 
 COMMANDS_HELP = {
     "train": "RL training (docs/quickstart.md, docs/configuration.md)",
@@ -201,7 +204,7 @@ def run_training(cfg) -> int:  # cfg: DictConfig
     return 0
 
 
-def _print_task_summary(controller: Any) -> None:
+def _print_task_summary(controller: NexRLController) -> None:
     """Where every training task went (trained, failed, dropped, re-queued)."""
     from nexrl.execute import execute
     from nexrl.monitoring.progress import task_summary

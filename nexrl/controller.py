@@ -14,17 +14,18 @@ once training is done:
 
 The loops (each a thread, or a thread inside a Ray actor) and their calls:
 
-    DataLoader <-get/requeue- WSC.admission <-acquire_task/complete_task- RolloutWorker xN
-                                 ^ form_batch (one call per batch)          | put group
-                                 +--------------- TrajectoryPool <----------+
+    DataLoader <-get/requeue- TaskAdmission <-acquire/complete- RolloutWorker xN
+                                 ^ form_batch (one call per batch)   | put group
+                                 +--------- TrajectoryPool <---------+
     TrainBatchPool <-put- AlgorithmProcessor <-get batch- TrajectoryPool
     TrainWorker -get-> TrainBatchPool; train step; export; notify -> WSC -push-> engine
+    WSC -set_version / hold-> TaskAdmission
 
 One owner per job:
 
-    handing out and re-queueing tasks   WeightSyncController.admission (TaskAdmission)
+    handing out and re-queueing tasks   TaskAdmission (nexrl/rollout/admission.py)
     staleness of a forming batch        the same, in `form_batch`
-    pushing weights, versions           WeightSyncController
+    pushing weights, versions           WeightSyncController (nexrl/weight_sync.py)
     when to validate                    WeightSyncController decides, the controller runs it
 
 Who waits for what, and what unblocks it:
@@ -36,7 +37,7 @@ Who waits for what, and what unblocks it:
     |                   |                               | end_validate                        |
     | processor         | a batch of whole groups       | a group put (or the data's tail)    |
     | train worker      | a processed batch             | the processor's put_batch           |
-    | async push        | running rollouts (batch-async)| their complete_task                 |
+    | async push        | running rollouts (batch-async)| their `TaskAdmission.complete`      |
     |                   | a running validation          | the controller's end_validate       |
     | controller        | a validation to finish        | every validation task back          |
 """
@@ -105,7 +106,7 @@ class NexRLController:
             self._monitor.stall_report_s,
             lambda: describe_stall(
                 self.system.trajectory_pool,
-                self.system.weight_sync_controller,
+                self.system.task_admission,
                 self.activity_tracker,
                 self._tag,
             ),
@@ -231,7 +232,7 @@ class NexRLController:
             return False
         # a task between two modules (taken from a pool, its bracket not begun) is in no
         # pool and not in flight: only the task ledger sees it until it is trained
-        if execute(s.weight_sync_controller.pending_tasks):
+        if execute(s.task_admission.pending_count):
             return False
         s.flush_tracker()  # the last brackets' queued calls are on record before we ask
         return (
@@ -294,9 +295,10 @@ class NexRLController:
         path, state = self._load_or_fall_back(path)
         if ledger:
             restore_ledger(self.activity_tracker, state.get("ledger"))
-        if "dataloader" in state and hasattr(s.dataloader, "load_state_dict"):
+        load_state = getattr(s.dataloader, "load_state_dict", None)  # a loader may keep none
+        if "dataloader" in state and load_state is not None:
             try:
-                execute(s.dataloader.load_state_dict, state["dataloader"])
+                execute(load_state, state["dataloader"])
             except ValueError as exc:  # a config that does not match the run's data
                 raise TrainingAborted(
                     f"cannot resume from {path}: {exc} (the run was started with another "
@@ -305,7 +307,7 @@ class NexRLController:
         # tasks handed out but not trained at the save go first (exactly once)
         pending = state.get("pending_tasks") or []
         if pending:
-            execute(s.weight_sync_controller.restore_tasks, pending)
+            execute(s.task_admission.restore, pending)
         execute(s.train_workers[0].export_sync_weights)
         execute(s.weight_sync_controller.resume_from, self._tag, state["step"])
         execute(self.activity_tracker.set_training_step, state["step"])
@@ -345,7 +347,7 @@ class NexRLController:
         if resume.mode == "from_path":
             if not resume.resume_path:
                 raise ValueError("resume.mode=from_path needs resume.resume_path")
-            return resume.resume_path
+            return str(resume.resume_path)
         return self.system.on_checkpoint_node(
             find_resume_checkpoint, self._config, self._explicit_ckpt
         )

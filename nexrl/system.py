@@ -9,44 +9,73 @@ it picks one by `launch_mode` (`nexrl.controller.build_system`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig
 
-from nexrl.builders import BUILDERS
+from nexrl.builders import (
+    build_algorithm_processor,
+    build_dataloader,
+    build_rollout_worker,
+    build_task_admission,
+    build_train_batch_pool,
+    build_train_worker,
+    build_trajectory_pool,
+    build_validate_dataloader,
+    build_validator,
+    build_weight_sync_controller,
+)
 from nexrl.execute import execute
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
-from nexrl.types import NexRLRole
+from nexrl.protocols import (
+    DataLoaderLike,
+    LoopModuleLike,
+    ModuleLike,
+    ProcessorLike,
+    RolloutWorkerLike,
+    TaskAdmissionLike,
+    TrainBatchPoolLike,
+    TrainWorkerLike,
+    TrajectoryPoolLike,
+    ValidatorLike,
+    WeightSyncLike,
+)
+
+R = TypeVar("R")
 
 
 class ModuleSystem:
-    """The modules of one run (objects or actor wrappers) and how they are wired."""
+    """The modules of one run (objects or actor wrappers, typed by their Protocol: an actor
+    wrapper has the module's methods) and how they are wired."""
 
-    activity_tracker: Any
-    dataloader: Any
-    validate_dataloader: Any
-    trajectory_pool: Any
-    train_batch_pool: Any
-    algorithm_processor: Any
-    weight_sync_controller: Any
-    validator: Any
-    train_workers: list[Any]
-    rollout_workers: list[Any]
+    activity_tracker: ActivityTracker  # Ray: its actor handle (same methods, via `execute`)
+    dataloader: DataLoaderLike
+    validate_dataloader: DataLoaderLike
+    trajectory_pool: TrajectoryPoolLike
+    train_batch_pool: TrainBatchPoolLike
+    algorithm_processor: ProcessorLike
+    weight_sync_controller: WeightSyncLike
+    task_admission: TaskAdmissionLike
+    validator: ValidatorLike
+    train_workers: list[TrainWorkerLike]
+    rollout_workers: list[RolloutWorkerLike]
     watch_interval_s: float = 0.02
     """Pause between the controller's polls while it waits for a validation to end."""
     progress_wait_s: float = 0.02
     """Longest wait of the controller's watch loop between two passes; a finished train
     step ends the wait at once (`WeightSyncController.wait_for_progress`)."""
 
-    def named_modules(self) -> list[tuple[str, Any, bool]]:
+    def named_modules(self) -> list[tuple[str, ModuleLike, bool]]:
         """(name, module, is_rollout_worker) for every module."""
-        mods = [
+        mods: list[tuple[str, ModuleLike, bool]] = [
             ("data_loader", self.dataloader, False),
             ("validate_dataloader", self.validate_dataloader, False),
             ("trajectory_pool", self.trajectory_pool, False),
             ("train_batch_pool", self.train_batch_pool, False),
             ("algorithm_processor", self.algorithm_processor, False),
             ("weight_sync_controller", self.weight_sync_controller, False),
+            ("task_admission", self.task_admission, False),
             ("validator", self.validator, False),
         ]
         mods += [(f"train_worker_{i}", w, False) for i, w in enumerate(self.train_workers)]
@@ -62,25 +91,20 @@ class ModuleSystem:
     def wire(self) -> None:
         """Give every module the references it calls (the arrows of docs/architecture.md)."""
         wsc, loader, pool = self.weight_sync_controller, self.dataloader, self.trajectory_pool
+        tasks = self.task_admission
+        execute(tasks.set_module_references, loader, self.validate_dataloader)
+        execute(wsc.set_module_references, tasks)
         for worker in self.rollout_workers:
-            execute(
-                worker.set_module_references,
-                pool,
-                loader,
-                wsc,
-                self.validate_dataloader,
-                self.validator,
-            )
-        execute(pool.set_module_references, loader, wsc)
+            execute(worker.set_module_references, pool, tasks, wsc, self.validator)
+        execute(pool.set_module_references, loader, tasks)
         execute(
             self.algorithm_processor.set_module_references,
             pool,
             self.train_batch_pool,
             self.train_workers[0],
         )
-        for worker in self.train_workers:
-            execute(worker.set_module_references, self.train_batch_pool, wsc, loader)
-        execute(wsc.set_module_references, loader, pool, self.validate_dataloader)
+        for trainer in self.train_workers:
+            execute(trainer.set_module_references, self.train_batch_pool, wsc, loader, tasks)
         execute(self.validator.set_module_references, self.validate_dataloader)
 
     def restarted_actors(self, settle: bool = False) -> dict[str, list[str]]:
@@ -92,7 +116,7 @@ class ModuleSystem:
         """Every tracker call queued in any process has arrived (Ray: the module actors'
         outboxes; local mode calls the tracker directly)."""
 
-    def on_checkpoint_node(self, fn: Any, *args: Any) -> Any:
+    def on_checkpoint_node(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(*args)` on the machine whose disk holds the checkpoints (the train
         worker's; Ray: a task on its node, as there may be no shared disk)."""
         return fn(*args)
@@ -101,7 +125,10 @@ class ModuleSystem:
         """Ray: which node(s) of the run left the cluster and what to do; None here."""
         return None
 
-    def loops(self) -> list[Any]:
+    def unfence(self, groups: list[str]) -> None:
+        """Ray: calls reach the restarted actors of `groups` again (no actors here)."""
+
+    def loops(self) -> list[LoopModuleLike]:
         return [*self.train_workers, self.algorithm_processor, *self.rollout_workers]
 
     def start(self) -> None:
@@ -118,19 +145,17 @@ class LocalSystem(ModuleSystem):
 
     def __init__(self, cfg: DictConfig) -> None:
         self.activity_tracker = ActivityTracker(cfg)
-        build = BUILDERS
-        self.dataloader = build[NexRLRole.DATA_LOADER](cfg)
-        self.validate_dataloader = build[NexRLRole.VALIDATE_DATALOADER](cfg)
-        self.trajectory_pool = build[NexRLRole.TRAJECTORY_POOL](cfg)
-        self.train_batch_pool = build[NexRLRole.TRAIN_BATCH_POOL](cfg)
-        self.algorithm_processor = build[NexRLRole.ALGORITHM_PROCESSOR](cfg)
-        self.weight_sync_controller = build[NexRLRole.WEIGHT_SYNC_CONTROLLER](cfg)
-        self.validator = build[NexRLRole.VALIDATOR](cfg)
-        self.train_workers = [
-            build[NexRLRole.TRAIN_WORKER](cfg) for _ in range(cfg.train_worker.num_workers)
-        ]
+        self.dataloader = build_dataloader(cfg)
+        self.validate_dataloader = build_validate_dataloader(cfg)
+        self.trajectory_pool = build_trajectory_pool(cfg)
+        self.train_batch_pool = build_train_batch_pool(cfg)
+        self.algorithm_processor = build_algorithm_processor(cfg)
+        self.weight_sync_controller = build_weight_sync_controller(cfg)
+        self.task_admission = build_task_admission(cfg)
+        self.validator = build_validator(cfg)
+        self.train_workers = [build_train_worker(cfg) for _ in range(cfg.train_worker.num_workers)]
         self.rollout_workers = [
-            build[NexRLRole.ROLLOUT_WORKER](cfg) for _ in range(cfg.rollout_worker.num_workers)
+            build_rollout_worker(cfg) for _ in range(cfg.rollout_worker.num_workers)
         ]
         self.name_and_track(ActivityTrackerProxy(self.activity_tracker))
         self.wire()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import ItemsView, KeysView
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -119,10 +120,10 @@ class Task:
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
 
-    def keys(self) -> Any:
+    def keys(self) -> KeysView[str]:
         return self.data.keys()
 
-    def items(self) -> Any:
+    def items(self) -> ItemsView[str, Any]:
         return self.data.items()
 
 
@@ -149,6 +150,7 @@ class NexRLRole(Enum):
     TRAJECTORY_POOL = "trajectory_pool"
     TRAIN_BATCH_POOL = "train_batch_pool"
     WEIGHT_SYNC_CONTROLLER = "weight_sync_controller"
+    TASK_ADMISSION = "task_admission"
     DATA_LOADER = "data_loader"
     VALIDATE_DATALOADER = "validate_dataloader"
     VALIDATOR = "validator"

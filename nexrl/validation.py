@@ -26,7 +26,7 @@ from nexrl.config.schema import ValidateConfig
 from nexrl.execute import execute
 from nexrl.module import NexRLModule
 from nexrl.protocols import DataLoaderLike
-from nexrl.types import Trajectory
+from nexrl.types import StepResult, Trajectory
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -64,10 +64,11 @@ class Validator(NexRLModule):
             self._started = time.monotonic()
         self._failed_at_start = self._failed()
 
-    def put_trajectory(self, trajectory: Trajectory) -> str:
+    def put_trajectory(self, trajectory: Trajectory) -> StepResult:
+        """Keep one validation trajectory; always SUCCESS (every sample counts)."""
         with self._lock:
             self._trajectories.append(trajectory)
-        return "success"
+        return StepResult.SUCCESS
 
     def _failed(self) -> int:
         counters = self._activity_tracker.get_counters() if self._activity_tracker else {}

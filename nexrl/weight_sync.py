@@ -1,14 +1,12 @@
-"""WeightSyncController: the task owner of the rollout side and the one weight pusher.
+"""WeightSyncController: the one weight pusher, and the owner of the served version.
 
-Two jobs, each with one owner inside this module:
-
-- tasks (`TaskAdmission`, nexrl/rollout/admission.py): rollout workers get
-  their tasks here (`acquire_task`) and give them back with the step's result
-  (`complete_task`); the trajectory pool settles each formed batch here with one
-  call (`form_batch`). Admission bounds staleness by construction.
-- weights: the train worker reports a finished step
-  (`train_worker_notify_weight_update`) and this module alone pushes the new
-  weights to the inference side and decides whether a validation runs first.
+The train worker reports a finished step (`train_worker_notify_weight_update`);
+this module alone pushes the new weights to the inference side, numbers them,
+and decides whether a validation runs first. Tasks are not its job: rollout
+workers and the trajectory pool talk to `TaskAdmission`
+(nexrl/rollout/admission.py) directly; this module only tells admission what it
+must know to bound staleness (`set_version` after a push, `hold` while a push or
+a validation runs, `mark_trained` after a step, `set_validating`).
 
 Versions: the weights after `s` train steps have version `s` (with
 `sync_every = m` the version jumps by m). Batch j trains at step j, so a sample
@@ -31,31 +29,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Literal
 
 from nexrl.config.schema import WeightConfig
+from nexrl.execute import execute
 from nexrl.inference.protocol import WeightUpdateMeta
 from nexrl.inference.weights import publish_in_memory, state_from_arrays
 from nexrl.module import NexRLModule
-from nexrl.protocols import DataLoaderLike, TrackerLike
-from nexrl.rollout.admission import BatchPlan, GroupInfo, TaskAdmission
+from nexrl.protocols import InferenceControlLike, TaskAdmissionLike, WeightArrays
 from nexrl.rollout.sample_policy import SamplePolicy
-from nexrl.types import DEFAULT_MODEL_TAG, ModelTag, StepResult, Task
-
-if TYPE_CHECKING:
-    from nexrl.monitoring.activity import ActivityTrackerProxy
+from nexrl.types import DEFAULT_MODEL_TAG, ModelTag
 
 logger = logging.getLogger(__name__)
 
 
 class WeightSyncController(NexRLModule):
+    """Pushes weights after train steps and numbers them (see the module docstring)."""
+
     def __init__(
         self,
         config: WeightConfig,
-        llm_client: Any,
+        llm_client: InferenceControlLike,
         sync_weight_path: str,
-        groups_per_batch: int,
-        max_task_retries: int,
         inflight_capable: bool = True,
         last_step: int = 0,
     ) -> None:
@@ -63,78 +58,31 @@ class WeightSyncController(NexRLModule):
         training task is admitted, so the final validation has the engine to itself."""
         super().__init__()
         self._last_step = last_step
-        self.policy = SamplePolicy.from_config(config, groups_per_batch, inflight_capable)
+        self.policy = SamplePolicy.from_config(config, None, inflight_capable)
         self._sync_mode = self.policy.sync_mode
         self._validate_freq = config.validate_freq
         self._llm_client = llm_client
         self._sync_weight_path = sync_weight_path
-        self.admission = TaskAdmission(self.policy, max_task_retries)
+        self._admission: TaskAdmissionLike | None = None
         self._lock = threading.Condition(threading.RLock())
         self._pushing: dict[ModelTag, bool] = {}
         self._trained: dict[ModelTag, int] = {}
+        self._versions: dict[ModelTag, int] = {}
         self._steps_done = 0  # train steps whose notify call has finished (any tag)
         self._syncs_since_validate = 0
         self._waiting_for_validation = False
         self._validating = False
-        self._dataloader: DataLoaderLike | None = None
-        self._validate_dataloader: DataLoaderLike | None = None
 
-    def set_module_references(
-        self,
-        dataloader: DataLoaderLike,
-        trajectory_pool: Any = None,
-        validate_dataloader: DataLoaderLike | None = None,
-    ) -> None:
-        """`trajectory_pool` is accepted for the seed's signature and not kept: the pool
-        calls this controller (`form_batch`), never the other way round."""
-        self._dataloader, self._validate_dataloader = dataloader, validate_dataloader
-        tracker = cast("TrackerLike | None", self._activity_tracker)
-        self.admission.set_sources(dataloader, validate_dataloader, tracker)
+    def set_module_references(self, task_admission: TaskAdmissionLike) -> None:
+        """The task owner this controller holds and releases around pushes."""
+        self._admission = task_admission
 
-    def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
-        super().set_activity_tracker(tracker)
-        self.admission.set_sources(
-            self._dataloader, self._validate_dataloader, cast(TrackerLike, tracker)
-        )
+    def _tasks(self) -> TaskAdmissionLike:
+        if self._admission is None:
+            raise RuntimeError(f"{self._module_name}: set_module_references(task_admission) first")
+        return self._admission
 
-    # -- tasks (rollout workers, pool) ------------------------------------------------
-    def acquire_task(
-        self, model_tag: ModelTag = DEFAULT_MODEL_TAG, wait_s: float = 0.0
-    ) -> Task | None:
-        """The next task for a rollout worker: a validation task while validating, else a
-        training task once admission allows one more group (waits up to `wait_s`)."""
-        with self._lock:
-            validating = self._validating
-        return self.admission.acquire(model_tag, validating, wait_s)
-
-    def complete_task(self, model_tag: ModelTag, task: Task, result: StepResult) -> None:
-        """A worker finished `task` with `result`; it is routed by `TaskAdmission`."""
-        self.admission.complete(model_tag, task, StepResult.of(result))
-
-    def requeue_task(self, task: Task) -> None:
-        """Give a task back to the front of its loader (seed `_put_rollout_task`)."""
-        self.admission.requeue(task)
-
-    def form_batch(self, model_tag: ModelTag, groups: list[GroupInfo], need: int) -> BatchPlan:
-        """The pool's one call per batch (see `TaskAdmission.form_batch`)."""
-        return self.admission.form_batch(model_tag, groups, need)
-
-    def end_of_data(self, model_tag: ModelTag) -> bool:
-        """No more groups of `model_tag` will reach the pool (`TaskAdmission.end_of_data`)."""
-        return self.admission.end_of_data(model_tag)
-
-    def pending_tasks(self) -> int:
-        """Training tasks handed out and not yet trained, dropped, failed or given back (the
-        task ledger: exact, where the activity tracker only sees work in brackets)."""
-        return self.admission.pending_count()
-
-    def drop_groups(self, model_tag: ModelTag, groups: list[GroupInfo], reason: str) -> int:
-        """The pool drops groups that will never be trained; they are settled and counted."""
-        return self.admission.drop_groups(model_tag, groups, reason)
-
-    def get_admission_state(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> dict[str, int]:
-        return self.admission.snapshot(model_tag)
-
+    # -- serving side (rollout workers, their client) -------------------------------------
     def check_rollout_service_status(self, model_tag: ModelTag) -> Literal["continue", "block"]:
         """ "block" while a fully-async push runs: new requests wait for the new weights."""
         with self._lock:
@@ -144,11 +92,13 @@ class WeightSyncController(NexRLModule):
             return "block" if self._sync_mode == "fully-async" else "continue"
 
     def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
-        return self.admission.version(model_tag)
+        """The version the inference side serves for `model_tag` (0: the initial weights)."""
+        with self._lock:
+            return self._versions.get(model_tag, 0)
 
     # -- weights (train worker, controller) ----------------------------------------------
     def train_worker_notify_weight_update(
-        self, worker_name: str, model_tag: ModelTag, weights: dict[str, Any] | None = None
+        self, worker_name: str, model_tag: ModelTag, weights: WeightArrays | None = None
     ) -> None:
         """The trainer exported new weights: push them, maybe validate. `weights`: the
         weights themselves (`publish_weights`), when they travel with this call
@@ -159,10 +109,10 @@ class WeightSyncController(NexRLModule):
             self._trained[model_tag] = self._trained.get(model_tag, 0) + 1
             trained = self._trained[model_tag]
             due = trained % self.policy.sync_every == 0
-        self.admission.mark_trained(model_tag, trained)  # batch trained - 1 is done
+        execute(self._tasks().mark_trained, model_tag, trained)  # batch trained - 1 is done
         try:
-            if self._last_step and trained >= self._last_step:
-                self.admission.hold(model_tag, "finished", True)  # nothing more is trained
+            if self._last_step and trained >= self._last_step:  # nothing more is trained
+                execute(self._tasks().hold, model_tag, "finished", True)
             if due:
                 self._push_after_step(model_tag)
         finally:
@@ -180,7 +130,7 @@ class WeightSyncController(NexRLModule):
             # held before the push admits the next batch: the validation has the engine
             # to itself, and the next batch is generated by the validated weights
             if validate:
-                self.admission.hold(model_tag, "validation", True)
+                execute(self._tasks().hold, model_tag, "validation", True)
             self.sync_weight_to_rollout_service(model_tag)
         else:
             self._wait_validation_done()
@@ -189,7 +139,7 @@ class WeightSyncController(NexRLModule):
             with self._lock:
                 self._waiting_for_validation = True
 
-    def publish_weights(self, arrays: dict[str, Any]) -> None:
+    def publish_weights(self, arrays: WeightArrays) -> None:
         """Make these weights (`state_to_arrays`'s form) what the next push loads: the
         memory transport from a trainer in another process."""
         publish_in_memory(self._sync_weight_path, state_from_arrays(arrays))
@@ -198,29 +148,21 @@ class WeightSyncController(NexRLModule):
         """Resume: `step` batches were trained; push the loaded weights as version `step`."""
         with self._lock:
             self._trained[model_tag] = step
-        self.admission.set_formed(model_tag, step)
+        execute(self._tasks().set_formed, model_tag, step)
         self.sync_weight_to_rollout_service(model_tag)
 
-    def reset_tasks(self) -> None:
-        """A Ray rewind: forget every task and batch (the checkpoint's pending tasks come
-        back through `restore_tasks`), and any pending validation or push state."""
-        self.admission.reset()
+    def reset(self) -> None:
+        """A Ray rewind: forget the push, version and validation state (the task owner is
+        reset on its own, `TaskAdmission.reset`; the checkpoint's weights are pushed again
+        by `resume_from`)."""
         with self._lock:
             self._pushing.clear()
             self._trained.clear()
+            self._versions.clear()
             self._syncs_since_validate = 0
             self._waiting_for_validation = False
             self._validating = False
             self._lock.notify_all()
-
-    def checkpoint_tasks(self, model_tag: ModelTag, trained: int) -> dict[str, Any]:
-        """For the checkpoint of step `trained`: the loader state and the pending tasks,
-        taken together (`TaskAdmission.checkpoint_state`)."""
-        return self.admission.checkpoint_state(model_tag, trained)
-
-    def restore_tasks(self, pending: list[dict[str, Any]]) -> int:
-        """Resume: a checkpoint's pending tasks go to the front of the loader."""
-        return self.admission.restore(pending)
 
     def _wait_validation_done(self) -> None:
         """Async modes: no push while a validation runs (it measures one version)."""
@@ -228,17 +170,18 @@ class WeightSyncController(NexRLModule):
             self._lock.wait_for(lambda: not (self._validating or self._waiting_for_validation))
 
     def _async_push(self, model_tag: ModelTag) -> None:
+        admission = self._tasks()
         with self._lock:
             self._pushing[model_tag] = True
-        self.admission.hold(model_tag, "push", True)
+        execute(admission.hold, model_tag, "push", True)
         try:
             if self._sync_mode == "batch-async":  # running rollouts finish on their weights
-                self.admission.wait_idle(model_tag)
+                execute(admission.wait_idle, model_tag)
                 self.sync_weight_to_rollout_service(model_tag)
             elif self.policy.inflight_weight_update:  # swapped between two decode steps
                 self.sync_weight_to_rollout_service(model_tag)
             else:  # fully-async: the push reaches the requests still running after the grace
-                self.admission.wait_idle(model_tag, timeout=self.policy.abort_grace_s)
+                execute(admission.wait_idle, model_tag, self.policy.abort_grace_s)
                 self._llm_client.pause()
                 self._llm_client.abort()
                 try:
@@ -249,16 +192,19 @@ class WeightSyncController(NexRLModule):
             with self._lock:
                 self._pushing[model_tag] = False
                 self._lock.notify_all()
-            self.admission.hold(model_tag, "push", False)
+            execute(admission.hold, model_tag, "push", False)
 
     def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
         """Push the sync buffer's weights to the inference side as the next version."""
         with self._lock:
-            version = max(self.admission.version(model_tag) + 1, self._trained.get(model_tag, 0))
+            current = self._versions.get(model_tag, 0)
+            version = max(current + 1, self._trained.get(model_tag, 0))
         self._llm_client.update_weights(
             WeightUpdateMeta(version=version, path=self._sync_weight_path)
         )
-        self.admission.set_version(model_tag, version)
+        with self._lock:
+            self._versions[model_tag] = version
+        execute(self._tasks().set_version, model_tag, version)
         logger.debug("pushed weights v%d for %s", version, model_tag)
 
     def wait_for_progress(self, seen: int, timeout: float) -> int:
@@ -275,21 +221,16 @@ class WeightSyncController(NexRLModule):
             return self._waiting_for_validation
 
     def start_validate(self, model_tag: ModelTag) -> None:
+        """Workers get validation tasks (from admission) until `end_validate`."""
         with self._lock:
             self._validating = True
             self._lock.notify_all()
+        execute(self._tasks().set_validating, True)
 
     def end_validate(self, model_tag: ModelTag) -> None:
+        execute(self._tasks().set_validating, False)
         with self._lock:
             self._validating = False
             self._waiting_for_validation = False
             self._lock.notify_all()
-        self.admission.hold(model_tag, "validation", False)
-
-    # -- seed 000 name (a thin alias) --------------------------------------------------------
-    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> dict[str, int]:
-        """Seed 000's "a batch is ready" call. In nexrl the pool reports a batch through
-        `form_batch`, which does the coordination (staleness check, sync-mode hold), so this
-        name changes nothing; it returns the admission state of `model_tag` (counts of tasks
-        in flight, held, dropped) for callers that check it."""
-        return self.get_admission_state(model_tag)
+        execute(self._tasks().hold, model_tag, "validation", False)

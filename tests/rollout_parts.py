@@ -9,7 +9,9 @@ from nexrl.config.schema import RolloutWorkerConfig, TrajectoryPoolConfig, Weigh
 from nexrl.data import InMemoryDataLoader
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrajectoryPool
+from nexrl.rollout.admission import TaskAdmission
 from nexrl.rollout.base import RolloutContext
+from nexrl.rollout.sample_policy import SamplePolicy
 from nexrl.rollout.workers import SingleTurnRolloutWorker
 from nexrl.weight_sync import WeightSyncController
 
@@ -17,10 +19,31 @@ from nexrl.weight_sync import WeightSyncController
 @dataclass
 class RolloutSide:
     worker: SingleTurnRolloutWorker
+    tasks: TaskAdmission
     wsc: WeightSyncController
     pool: TrajectoryPool
     loader: InMemoryDataLoader
     tracker: ActivityTracker
+
+
+def build_task_owner(
+    weight: WeightConfig,
+    client: Any,
+    sync_weight_path: str = "/tmp/unused",
+    *,
+    gpb: int | None = 1,
+    max_task_retries: int = 0,
+    last_step: int = 0,
+    inflight_capable: bool = True,
+) -> tuple[TaskAdmission, WeightSyncController]:
+    """The task owner and the weight pusher, wired to each other as the builders do."""
+    policy = SamplePolicy.from_config(weight, gpb, inflight_capable)
+    tasks = TaskAdmission(policy, max_task_retries)
+    wsc = WeightSyncController(
+        weight, client, sync_weight_path, inflight_capable=inflight_capable, last_step=last_step
+    )
+    wsc.set_module_references(tasks)
+    return tasks, wsc
 
 
 def context(**overrides: Any) -> RolloutContext:
@@ -54,12 +77,8 @@ def build_rollout_side(
     worker_cfg = worker or RolloutWorkerConfig(group_size=4, max_tokens=4, max_task_retries=1)
     tracker = ActivityTracker({})
     proxy = ActivityTrackerProxy(tracker)
-    wsc = WeightSyncController(
-        weight,
-        client,
-        sync_weight_path,
-        groups_per_batch=gpb,
-        max_task_retries=worker_cfg.max_task_retries,
+    tasks, wsc = build_task_owner(
+        weight, client, sync_weight_path, gpb=gpb, max_task_retries=worker_cfg.max_task_retries
     )
     loader = loader if loader is not None else InMemoryDataLoader({}, items=items)
     pool = TrajectoryPool(
@@ -72,11 +91,12 @@ def build_rollout_side(
         tail_batch_candidate_steps=weight.tail_batch_candidate_steps,
     )
     rollout = worker_cls(worker_cfg, client, ctx, reward)
-    for name, m in (("wsc", wsc), ("pool", pool), ("loader", loader), ("rollout_0", rollout)):
+    parts = (("tasks", tasks), ("wsc", wsc), ("pool", pool), ("loader", loader))
+    for name, m in (*parts, ("rollout_0", rollout)):
         m.set_module_name(name)
         m.set_activity_tracker(proxy)
     tracker.register_module("rollout_0", rollout, is_rollout_worker=True)
-    pool.set_module_references(loader, wsc)
-    wsc.set_module_references(loader, pool)
-    rollout.set_module_references(pool, loader, wsc)
-    return RolloutSide(rollout, wsc, pool, loader, tracker)
+    tasks.set_module_references(loader)
+    pool.set_module_references(loader, tasks)
+    rollout.set_module_references(pool, tasks, wsc)
+    return RolloutSide(rollout, tasks, wsc, pool, loader, tracker)

@@ -6,7 +6,7 @@ One actor per colocation group: by default (`ray.layout: one_actor`) every modul
 a `main` actor; `rollout_train` splits it in two:
 
     rollout  rollout_worker(s), weight_sync_controller   (share the in-process engine),
-             data_loader, validate_dataloader, trajectory_pool, validator
+             task_admission, data_loader, validate_dataloader, trajectory_pool, validator
     train    train_worker(s), algorithm_processor, train_batch_pool
 
 (`ray.colocation` overrides single roles), plus one ActivityTracker actor that every
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -32,10 +33,22 @@ from nexrl.distributed.settings import IN_PROCESS_BACKENDS, RaySettings, actor_e
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
 from nexrl.execute import set_default_timeout
 from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
+from nexrl.protocols import (
+    DataLoaderLike,
+    ProcessorLike,
+    RolloutWorkerLike,
+    TaskAdmissionLike,
+    TrainBatchPoolLike,
+    TrainWorkerLike,
+    TrajectoryPoolLike,
+    ValidatorLike,
+    WeightSyncLike,
+)
 from nexrl.system import ModuleSystem
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 def check_layout(cfg: DictConfig, colocation: dict[str, str | None]) -> None:
@@ -91,7 +104,8 @@ def start_inference_replicas(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, index),
             runtime_env=runtime_env_for(env),
         )
-        actors.append(ray.remote(InferenceReplica).options(**options).remote(engine_config))
+        replica: Any = ray.remote(InferenceReplica)  # an actor class (Ray's stubs say function)
+        actors.append(replica.options(**options).remote(engine_config))
     ray.get([a.health.remote() for a in actors])
     cfg = cfg.copy()
     with open_dict(cfg):
@@ -124,7 +138,7 @@ class RaySystem(ModuleSystem):
                 cfg, self.settings, env
             )
         check_layout(cfg, self.settings.colocation)
-        self.activity_tracker = (
+        self._tracker_actor: Any = (  # Ray's stubs cannot tell an actor from its class
             ray.remote(ActivityTracker)
             .options(
                 num_cpus=0,
@@ -134,6 +148,8 @@ class RaySystem(ModuleSystem):
             )
             .remote(cfg)
         )
+        # the actor handle has the tracker's methods (as Ray methods `execute` calls)
+        self.activity_tracker = cast(ActivityTracker, self._tracker_actor)
         self.resource_manager = RayResourceManager(
             self.settings.group_options(), env_vars=module_env, tracker=self.activity_tracker
         )
@@ -156,20 +172,25 @@ class RaySystem(ModuleSystem):
         self.wire()  # the same wiring calls as local mode, through execute
 
     def _bind_wrappers(self) -> None:
-        def one(role: NexRLRole) -> Any:
-            return self.resource_manager.get_actor_wrapper(role)[0]
+        """Each role's actor wrapper, typed by the role's Protocol: a wrapper has the
+        module's public methods (as Ray actor methods that `execute` calls)."""
 
-        self.dataloader = one(NexRLRole.DATA_LOADER)
-        self.validate_dataloader = one(NexRLRole.VALIDATE_DATALOADER)
-        self.trajectory_pool = one(NexRLRole.TRAJECTORY_POOL)
-        self.train_batch_pool = one(NexRLRole.TRAIN_BATCH_POOL)
-        self.algorithm_processor = one(NexRLRole.ALGORITHM_PROCESSOR)
-        self.weight_sync_controller = one(NexRLRole.WEIGHT_SYNC_CONTROLLER)
-        self.validator = one(NexRLRole.VALIDATOR)
-        self.train_workers = list(self.resource_manager.get_actor_wrapper(NexRLRole.TRAIN_WORKER))
-        self.rollout_workers = list(
-            self.resource_manager.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
-        )
+        def all_of(role: NexRLRole) -> list[Any]:
+            return list(self.resource_manager.get_actor_wrapper(role))
+
+        def one(role: NexRLRole) -> Any:
+            return all_of(role)[0]
+
+        self.dataloader = cast(DataLoaderLike, one(NexRLRole.DATA_LOADER))
+        self.validate_dataloader = cast(DataLoaderLike, one(NexRLRole.VALIDATE_DATALOADER))
+        self.trajectory_pool = cast(TrajectoryPoolLike, one(NexRLRole.TRAJECTORY_POOL))
+        self.train_batch_pool = cast(TrainBatchPoolLike, one(NexRLRole.TRAIN_BATCH_POOL))
+        self.algorithm_processor = cast(ProcessorLike, one(NexRLRole.ALGORITHM_PROCESSOR))
+        self.weight_sync_controller = cast(WeightSyncLike, one(NexRLRole.WEIGHT_SYNC_CONTROLLER))
+        self.task_admission = cast(TaskAdmissionLike, one(NexRLRole.TASK_ADMISSION))
+        self.validator = cast(ValidatorLike, one(NexRLRole.VALIDATOR))
+        self.train_workers = cast(list[TrainWorkerLike], all_of(NexRLRole.TRAIN_WORKER))
+        self.rollout_workers = cast(list[RolloutWorkerLike], all_of(NexRLRole.ROLLOUT_WORKER))
 
     def restarted_actors(self, settle: bool = False) -> dict[str, list[str]]:
         """Module actors that restarted since the last call; they stay fenced (calls raise
@@ -177,11 +198,12 @@ class RaySystem(ModuleSystem):
         first wait (up to `ray.execute_timeout_s`) for actors Ray is restarting."""
         return self.resource_manager.restarted(settle, self.settings.execute_timeout_s)
 
-    def on_checkpoint_node(self, fn: Any, *args: Any) -> Any:
+    def on_checkpoint_node(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(*args)` in a task on the train worker's node: its disk holds the checkpoints
         (nexrl/distributed/nodes.py)."""
         actor = self.resource_manager.actors[self._train_group]
-        return run_on_node(ray.get(actor.node_id.remote()), fn, *args)
+        result: R = run_on_node(ray.get(actor.node_id.remote()), fn, *args)
+        return result
 
     def describe_failure(self) -> str | None:
         """Which node(s) of this run left the cluster, and what to do; None if none did."""
@@ -200,7 +222,7 @@ class RaySystem(ModuleSystem):
     def shutdown(self) -> None:
         """Kill every actor of this run (and Ray itself if this system started it)."""
         self.resource_manager.kill_all()
-        ray.kill(self.activity_tracker, no_restart=True)
+        ray.kill(self._tracker_actor, no_restart=True)
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
         if self.replica_cluster is not None:

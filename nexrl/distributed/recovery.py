@@ -28,9 +28,12 @@ reads its fresh state and no checkpoint is written from it):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl.execute import execute
+
+if TYPE_CHECKING:
+    from nexrl.system import ModuleSystem
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,9 @@ def describe(restarted: dict[str, list[str]]) -> str:
     return "; ".join(f"{group} ({', '.join(keys)})" for group, keys in restarted.items())
 
 
-def quiesce_and_reset(system: Any, restarted: dict[str, list[str]], timeout: float = 60.0) -> None:
+def quiesce_and_reset(
+    system: ModuleSystem, restarted: dict[str, list[str]], timeout: float = 60.0
+) -> None:
     """Steps 1-3: every loop stopped, the fence lifted, no run state left in any module."""
     for module in reversed(system.loops()):
         execute(module.pause)
@@ -61,10 +66,11 @@ def quiesce_and_reset(system: Any, restarted: dict[str, list[str]], timeout: flo
     execute(system.validator.clear)
     for worker in system.rollout_workers:
         execute(worker.end_validate)
-    execute(system.weight_sync_controller.reset_tasks)
+    execute(system.task_admission.reset)
+    execute(system.weight_sync_controller.reset)
 
 
-def restart_loops(system: Any) -> None:
+def restart_loops(system: ModuleSystem) -> None:
     """Step 5: errors raised by calls into the fenced actor are forgotten, loops restart."""
     tracker = system.activity_tracker
     health = execute(tracker.get_error_health_status)

@@ -47,14 +47,15 @@ from omegaconf import DictConfig
 from nexrl.config.options import RayGroupConfig
 from nexrl.config.schema import RayConfig
 from nexrl.distributed.recovery import ActorRestartedError
+from nexrl.protocols import ModuleLike
 from nexrl.types import NexRLRole
 
 logger = logging.getLogger(__name__)
 
-Builder = Callable[[DictConfig], Any]
+Builder = Callable[[DictConfig], ModuleLike]
 
 # modules hosted by the actor of THIS process: (actor id hex, module key) -> module
-_LOCAL_MODULES: dict[tuple[str, str], Any] = {}
+_LOCAL_MODULES: dict[tuple[str, str], ModuleLike] = {}
 _EXTRA_METHODS = ("__len__",)
 
 
@@ -63,7 +64,7 @@ def module_key(role: NexRLRole | str, index: int) -> str:
     return f"{_role_name(role)}_{index}"
 
 
-def public_methods(obj: Any) -> list[str]:
+def public_methods(obj: object) -> list[str]:
     """Names of `obj`'s public callables (plus `__len__` when defined)."""
     names = [n for n in dir(type(obj)) if not n.startswith("_") or n in _EXTRA_METHODS]
     return [n for n in names if callable(getattr(type(obj), n, None))]
@@ -124,7 +125,7 @@ class ModuleActor:
         tracker: Any = None,
         group: str = "",
     ) -> None:
-        self._modules: dict[str, Any] = {}
+        self._modules: dict[str, ModuleLike] = {}
         self._fence: str | None = None
         actor_id = _current_actor_id() or "driver"
         for role, builder, count in specs:
@@ -250,8 +251,8 @@ class RayActorWrapper:
 
 
 def _restore_wrapper(
-    actor: Any, role: Any, index: int, methods: list[str], colocated: bool, journal: Any
-) -> Any:
+    actor: Any, role: NexRLRole | str, index: int, methods: list[str], colocated: bool, journal: Any
+) -> ModuleLike | RayActorWrapper:
     """Unpickle: the module object itself inside its own actor, else a wrapper."""
     local = _LOCAL_MODULES.get((actor._actor_id.hex(), module_key(role, index)))
     if local is not None:

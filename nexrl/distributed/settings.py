@@ -34,15 +34,16 @@ ROLLOUT_TRAIN_COLOCATION: dict[str, str | None] = {
     NexRLRole.VALIDATOR.value: "rollout",
     NexRLRole.ROLLOUT_WORKER.value: "rollout",
     NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
+    NexRLRole.TASK_ADMISSION.value: "rollout",
     NexRLRole.TRAIN_BATCH_POOL.value: "train",
     NexRLRole.TRAIN_WORKER.value: "train",
     NexRLRole.ALGORITHM_PROCESSOR.value: "train",
 }
 """Two actors, split where data must cross anyway: each rollout task touches the loader,
-the task ledger, the trajectory pool and (validating) the validator, so they live with
-the rollout workers; the processor and the train worker share the train batch pool. One
-batch per step crosses from `rollout` to `train` (the processor's `get_batch`), and the
-weights cross back in each push."""
+the task owner (`task_admission`), the trajectory pool and (validating) the validator, so
+they live with the rollout workers; the processor and the train worker share the train
+batch pool. One batch per step crosses from `rollout` to `train` (the processor's
+`get_batch`), and the weights cross back in each push."""
 
 SPLIT_COLOCATION: dict[str, str | None] = {
     **{
@@ -59,6 +60,7 @@ SPLIT_COLOCATION: dict[str, str | None] = {
     NexRLRole.ALGORITHM_PROCESSOR.value: "train",
     NexRLRole.ROLLOUT_WORKER.value: "rollout",
     NexRLRole.WEIGHT_SYNC_CONTROLLER.value: "rollout",
+    NexRLRole.TASK_ADMISSION.value: "rollout",
 }
 """Loaders, pools and the validator in a `data` actor of their own. Every task then
 costs two more Ray calls (the loader item, the trajectory group); docs/ray.md."""

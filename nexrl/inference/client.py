@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
@@ -39,6 +39,9 @@ from nexrl.inference.protocol import (
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import encode_text
+
+if TYPE_CHECKING:
+    from nexrl.protocols import WeightSyncLike
 
 REMOTE_BACKENDS = ("remote", "vllm", "sglang")
 _BLOCK_POLL_S = 0.02
@@ -187,7 +190,7 @@ class LLMServiceClient:
         self._recent: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._sample_ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
-        self._controller: Any = None
+        self._controller: WeightSyncLike | None = None
         self._engine: InferenceEngine | None = None
         self._remote = None
         if self.backend in LOCAL_BACKENDS:
@@ -364,7 +367,8 @@ class LLMServiceClient:
         )
 
     # -- weight sync ------------------------------------------------------------------------
-    def set_weight_sync_controller(self, controller: Any) -> None:
+    def set_weight_sync_controller(self, controller: WeightSyncLike | None) -> None:
+        """Requests wait while `controller` says a push holds them (`freeze_for_weight_sync`)."""
         self._controller = controller
 
     def _wait_for_weight_sync(self) -> None:

@@ -11,7 +11,7 @@ Quiescence is a view of brackets, not of tasks: a worker takes its task just
 before it enters `track`, and in Ray mode the bracket's calls travel batched
 (nexrl/monitoring/outbox.py). Where the answer must be exact the task ledger
 decides (the trajectory pool's end of data, `TaskAdmission.end_of_data`; the
-run's end, `pending_tasks`), and the end of the run and a Ray rewind flush every
+run's end, `TaskAdmission.pending_count`), and the end of the run and a Ray rewind flush every
 process's queued calls (`system.flush_tracker()`) before they ask. The `module` string
 given to `track` must be the name passed to `register_module` for
 `is_rollout_worker_quiescent` to see it.

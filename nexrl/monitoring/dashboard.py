@@ -32,10 +32,14 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl.execute import execute
 from nexrl.monitoring.errors import ErrorReporter
+from nexrl.types import DEFAULT_MODEL_TAG
+
+if TYPE_CHECKING:
+    from nexrl.system import ModuleSystem
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +158,7 @@ def recent_errors(tracker: Any, n: int = 20) -> list[dict[str, Any]]:
     ]
 
 
-def pipeline_state_fn(system: Any) -> Callable[[], dict[str, Any]]:
+def pipeline_state_fn(system: ModuleSystem) -> Callable[[], dict[str, Any]]:
     """The `state_fn` for a `ModuleSystem`: pool sizes and the admission ledger, through
     the modules' public methods (so Ray actors work too)."""
 
@@ -162,7 +166,7 @@ def pipeline_state_fn(system: Any) -> Callable[[], dict[str, Any]]:
         return {
             "trajectory_pool_ready": execute(system.trajectory_pool.num_ready),
             "train_batch_pool": execute(system.train_batch_pool.qsize),
-            "admission": execute(system.weight_sync_controller.get_admission_state),
+            "admission": execute(system.task_admission.snapshot, DEFAULT_MODEL_TAG),
         }
 
     return state

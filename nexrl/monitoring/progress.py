@@ -18,10 +18,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+if TYPE_CHECKING:
+    from nexrl.protocols import TaskAdmissionLike, TrajectoryPoolLike
 
 DEFAULT_CONSOLE_KEYS = ("reward/mean", "val/reward", "throughput/samples_per_s")
 """Keys the train worker and the validator emit (`nexrl/training/train_worker.py`,
@@ -191,16 +194,18 @@ class StallReporter:
         return message
 
 
-def describe_stall(pool: Any, wsc: Any, tracker: Any, model_tag: str) -> str:
+def describe_stall(
+    pool: TrajectoryPoolLike, admission: TaskAdmissionLike, tracker: Any, model_tag: str
+) -> str:
     """The state a stall report names: the trajectory pool's groups, the task owner's
     admission, the work in flight (which worker does what) and the last error."""
     from nexrl.execute import execute
 
-    admission = execute(wsc.get_admission_state, model_tag)
+    state = execute(admission.snapshot, model_tag)
     running = " ".join(execute(tracker.get_running_status_summary).split())
     health = execute(tracker.get_error_health_status)
     return (
-        f"{execute(pool.describe_wait, model_tag)}; admission {admission}; {running}; "
+        f"{execute(pool.describe_wait, model_tag)}; admission {state}; {running}; "
         f"last error: {health.get('message', 'none')}"
     )
 

@@ -14,10 +14,10 @@ End of the data: the loader is finished, no rollout worker is busy, and the
 task owner has every handed-out task in a pool or a formed batch
 (`end_of_data`), so no further group can arrive.
 
-Forming a batch is one call to the weight-sync controller, the owner of tasks:
+Forming a batch is one call to the task owner (`TaskAdmission`):
 `form_batch(tag, groups, need)` gets the ready groups' task ids and oldest
 token versions and answers which groups form the batch (its index) and which
-are staler than the bound (their tasks are re-queued by the controller; the
+are staler than the bound (their tasks are re-queued by the task owner; the
 pool only discards their trajectories). The pool never touches a loader's queue
 and needs no lock against weight syncs: admission keeps rollouts within budget.
 
@@ -32,13 +32,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from nexrl.config.schema import TrajectoryPoolConfig
 from nexrl.execute import execute
 from nexrl.module import NexRLModule
 from nexrl.monitoring.errors import ErrorSeverity
 from nexrl.pools.stores import make_store
-from nexrl.protocols import DataLoaderLike, TrackerLike, WeightSyncLike
+from nexrl.protocols import DataLoaderLike, TaskAdmissionLike, TrackerLike
 from nexrl.rollout.admission import BatchPlan, GroupInfo
 from nexrl.types import (
     DEFAULT_MODEL_TAG,
@@ -48,6 +49,9 @@ from nexrl.types import (
     Trajectory,
     check_trajectory,
 )
+
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTrackerProxy
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class PoolRefs:
 
     def __init__(self) -> None:
         self.dataloader: DataLoaderLike | None = None
-        self.wsc: WeightSyncLike | None = None
+        self.admission: TaskAdmissionLike | None = None
         self.tracker: TrackerLike | None = None
 
 
@@ -134,7 +138,7 @@ class TrajectoryPoolInstance:
             return False
         if refs.tracker is not None and not refs.tracker.is_rollout_worker_quiescent():
             return False
-        return refs.wsc is None or bool(execute(refs.wsc.end_of_data, self.model_tag))
+        return refs.admission is None or execute(refs.admission.end_of_data, self.model_tag)
 
     def is_batch_ready(self) -> bool:
         with self._lock:
@@ -200,9 +204,11 @@ class TrajectoryPoolInstance:
 
     def _drop_remainder(self, groups: list[list[Trajectory]], size: int) -> None:
         """End of the data under "batch_size": the groups that cannot fill a batch leave."""
-        wsc, tracker = self._refs.wsc, self._refs.tracker
-        if wsc is not None:
-            execute(wsc.drop_groups, self.model_tag, [group_info(g) for g in groups], END_OF_DATA)
+        admission, tracker = self._refs.admission, self._refs.tracker
+        if admission is not None:
+            execute(
+                admission.drop_groups, self.model_tag, [group_info(g) for g in groups], END_OF_DATA
+            )
         elif tracker is not None:
             tracker.increment(f"groups_dropped/{END_OF_DATA}", len(groups))
         with self._lock:
@@ -218,10 +224,10 @@ class TrajectoryPoolInstance:
         )
 
     def _plan(self, groups: list[GroupInfo], need: int) -> BatchPlan:
-        wsc = self._refs.wsc
-        if wsc is not None:
-            return execute(wsc.form_batch, self.model_tag, groups, need)
-        take = list(range(len(groups)))[: need or None]  # no controller: plain FIFO
+        admission = self._refs.admission
+        if admission is not None:
+            return execute(admission.form_batch, self.model_tag, groups, need)
+        take = list(range(len(groups)))[: need or None]  # no task owner: plain FIFO
         return BatchPlan(index=None, take=take if len(take) >= max(need, 1) else [])
 
     # ---- state -----------------------------------------------------------------
@@ -261,20 +267,21 @@ class TrajectoryPoolInstance:
     def set_module_references(
         self,
         dataloader: DataLoaderLike | None,
-        weight_sync_controller: WeightSyncLike | None,
+        task_admission: TaskAdmissionLike | None,
         activity_tracker: TrackerLike | None,
     ) -> None:
-        """Seed 000's wiring of one instance. The references are the pool's (every instance
+        """Seed 000's wiring of one instance (the seed passes the weight-sync controller
+        where nexrl passes the task owner). The references are the pool's (every instance
         shares them): `TrajectoryPool.set_module_references` sets the same ones."""
         self._refs.dataloader = dataloader
-        self._refs.wsc = weight_sync_controller
+        self._refs.admission = task_admission
         self._refs.tracker = activity_tracker
 
-    def put_trajectory(self, trajectory: Trajectory) -> str:
-        """Seed 000's single put: "success", "fail", or "re-rollout" while a weight sync
-        holds this instance (`notify_weight_sync_starting`)."""
+    def put_trajectory(self, trajectory: Trajectory) -> StepResult:
+        """Seed 000's single put: SUCCESS, FAIL, or REROLL ("re-rollout") while a weight
+        sync holds this instance (`notify_weight_sync_starting`)."""
         if getattr(self, "_seed_sync_hold", False):
-            return "re-rollout"
+            return StepResult.REROLL
         return self.put_trajectory_group([trajectory])
 
     def notify_weight_sync_starting(self) -> None:
@@ -314,12 +321,13 @@ class TrajectoryPool(NexRLModule):
 
     # ---- wiring -------------------------------------------------------------
     def set_module_references(
-        self, dataloader: DataLoaderLike | None, weight_sync_controller: WeightSyncLike | None
+        self, dataloader: DataLoaderLike | None, task_admission: TaskAdmissionLike | None
     ) -> None:
+        """`task_admission` settles each batch (`form_batch`) and says when the data ends."""
         self._refs.dataloader = dataloader
-        self._refs.wsc = weight_sync_controller
+        self._refs.admission = task_admission
 
-    def set_activity_tracker(self, tracker: TrackerLike) -> None:
+    def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
         super().set_activity_tracker(tracker)
         self._refs.tracker = tracker
 
@@ -383,7 +391,7 @@ class TrajectoryPool(NexRLModule):
             if batch is not None or left <= 0:
                 return batch
             with self._arrived:
-                self._arrived.wait_for(lambda seen=seen: self._arrivals != seen, timeout=left)
+                self._arrived.wait_for(lambda: self._arrivals != seen, timeout=left)  # noqa: B023
 
     def _get_batch_now(self, batch_size: int | None, model_tag: ModelTag | None) -> Batch | None:
         for inst in self._selected(model_tag):

@@ -44,7 +44,7 @@ import multiprocessing
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -192,7 +192,7 @@ class RewardRunner:
         per item; each item fails on its own (see `iter_scores`)."""
         return list(self.iter_scores(items))
 
-    def iter_scores(self, items: Sequence[RewardCall]) -> Iterator[RewardOutcome]:
+    def iter_scores(self, items: Sequence[RewardCall]) -> Generator[RewardOutcome, None, None]:
         """Yield each item's outcome, in order (blocking, like `score`, with the same
         failure kinds per item; never raises for a reward).
 

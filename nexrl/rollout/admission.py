@@ -3,12 +3,16 @@
 It hands tasks out (a training task only when the staleness budget admits one
 more group), takes them back with the step's result and routes them, and
 settles groups when the trajectory pool forms a batch. No other module puts a
-task back into a loader, so "where did my task go" has one answer:
+task back into a loader, so "where did my task go" has one answer. It is a
+module of its own (role `task_admission`): rollout workers and the trajectory
+pool hold a reference to it and call it directly, and the weight-sync
+controller tells it about versions and holds:
 
-    acquire(tag, validating)        -> Task | None   admission, then the loader
+    acquire(tag, wait_s)            -> Task | None   admission, then the loader
     complete(tag, task, result)                      route by StepResult
     form_batch(tag, groups, need)   -> BatchPlan     staleness check, batch index
-    set_version(tag, v) / hold(tag, why, on)         from the weight-sync side
+    set_version(tag, v) / hold(tag, why, on)         from the weight-sync controller
+    set_validating(on)                               from the weight-sync controller
 
 Routing of `complete` (docs/rollout.md):
 
@@ -57,7 +61,8 @@ from typing import Any
 
 from nexrl.data.base import item_from_state, item_to_state
 from nexrl.execute import execute
-from nexrl.protocols import DataLoaderLike, TrackerLike
+from nexrl.module import NexRLModule
+from nexrl.protocols import DataLoaderLike
 from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
 from nexrl.types import ModelTag, StepResult, Task
 
@@ -100,10 +105,11 @@ class _TagState:
     """Batch index -> ids of its tasks, until the batch is trained (`mark_trained`)."""
 
 
-class TaskAdmission:
+class TaskAdmission(NexRLModule):
     """Admission, routing and re-queueing of rollout tasks (see module docstring)."""
 
     def __init__(self, policy: SamplePolicy, max_task_retries: int) -> None:
+        super().__init__()
         self.policy = policy
         self.max_task_retries = max_task_retries
         lock = threading.RLock()
@@ -117,15 +123,19 @@ class TaskAdmission:
         self._live: dict[int, Task] = {}
         self._loader: DataLoaderLike | None = None
         self._validate_loader: DataLoaderLike | None = None
-        self._tracker: TrackerLike | None = None
+        self._validating = False
 
-    def set_sources(
-        self,
-        loader: DataLoaderLike | None,
-        validate_loader: DataLoaderLike | None,
-        tracker: TrackerLike | None,
+    def set_module_references(
+        self, dataloader: DataLoaderLike | None, validate_dataloader: DataLoaderLike | None = None
     ) -> None:
-        self._loader, self._validate_loader, self._tracker = loader, validate_loader, tracker
+        """The loaders tasks come from and go back to."""
+        self._loader, self._validate_loader = dataloader, validate_dataloader
+
+    def set_validating(self, on: bool) -> None:
+        """While on, `acquire` hands out validation tasks (the weight-sync controller's
+        `start_validate` / `end_validate`)."""
+        with self._cond:  # admits no group: nobody waiting for admission is woken
+            self._validating = on
 
     def _state(self, tag: ModelTag) -> _TagState:
         if tag not in self._tags:
@@ -133,12 +143,15 @@ class TaskAdmission:
         return self._tags[tag]
 
     def _count(self, name: str, n: int = 1) -> None:
-        if self._tracker is not None and n:
-            self._tracker.increment(name, n)
+        if self._activity_tracker is not None and n:
+            self._activity_tracker.increment(name, n)
 
     # -- hand out ------------------------------------------------------------------
-    def acquire(self, tag: ModelTag, validating: bool, wait_s: float = 0.0) -> Task | None:
-        """The next task: a validation task while validating, else an admitted training task."""
+    def acquire(self, tag: ModelTag, wait_s: float = 0.0) -> Task | None:
+        """The next task: a validation task while validating, else a training task once
+        admission allows one more group (waits up to `wait_s`)."""
+        with self._cond:
+            validating = self._validating
         if validating:
             return self._take(self._validate_loader, validate=True)
         if not self._admit(tag, wait_s):
@@ -361,8 +374,8 @@ class TaskAdmission:
         together: `{"dataloader": state or None, "pending_tasks": [item_to_state, ...]}`."""
         with self._io:
             loader = self._loader
-            has_state = loader is not None and hasattr(loader, "state_dict")
-            loader_state = execute(loader.state_dict) if loader is not None and has_state else None
+            state_dict = getattr(loader, "state_dict", None)  # a loader may keep no position
+            loader_state = execute(state_dict) if state_dict is not None else None
             with self._cond:
                 formed = self._state(tag).formed
                 done = {task_id for i, ids in formed.items() if i < trained for task_id in ids}
@@ -388,6 +401,7 @@ class TaskAdmission:
         with self._io, self._cond:
             self._tags.clear()
             self._live.clear()
+            self._validating = False
             self._cond.notify_all()
             self._idle.notify_all()
 

@@ -5,9 +5,9 @@
 `task.get(...)`, `"prompt" in task`; the row itself is `task.data`) and the answer
 a `StepResult` (or its string, or None for "failed before a trajectory existed",
 as in seed 000). The loop never routes a task itself: it gets tasks from the
-weight-sync controller (`acquire_task`, which applies admission) and gives every
-task back with the step's result (`complete_task`), which re-queues, retries,
-counts or defers it (nexrl/rollout/admission.py). An exception inside `step` is
+task owner (`TaskAdmission.acquire`, which applies admission) and gives every
+task back with the step's result (`TaskAdmission.complete`), which re-queues,
+retries, counts or defers it (nexrl/rollout/admission.py). An exception inside `step` is
 reported through the activity tracker and counts as FAIL, so no task is lost.
 
 Groups are formed by episode. A training task's trajectories are collected while
@@ -42,7 +42,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omegaconf import DictConfig
 
@@ -50,7 +50,7 @@ from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.protocols import (
-    DataLoaderLike,
+    TaskAdmissionLike,
     TrajectoryPoolLike,
     ValidatorLike,
     WeightSyncLike,
@@ -60,7 +60,11 @@ from nexrl.rollout.helpers import HelperThreads
 from nexrl.rollout.sample_policy import resolve_inflight, resolve_partial
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTrackerProxy
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RewardFn = Callable[..., float]
 _TOKEN_KEYS = ("prompt_ids", "response_ids", "response_logprobs", "finish_reason")
@@ -101,6 +105,13 @@ class RolloutContext:
         )
 
 
+def wired(ref: T | None, what: str) -> T:
+    """`ref`, set by the wiring (`set_module_references`, `set_activity_tracker`)."""
+    if ref is None:
+        raise RuntimeError(f"rollout worker: no {what}; the system wires it before the loop runs")
+    return ref
+
+
 class BaseRolloutWorker(LoopModule):
     """Pulls tasks from the task owner, calls `step`, gives each task back with its result.
 
@@ -139,30 +150,30 @@ class BaseRolloutWorker(LoopModule):
         self._per_thread = threading.local()  # `current_task`, one per running step
         self._helpers: HelperThreads | None = None  # validation tasks side by side
         self._trajectory_pool: TrajectoryPoolLike | None = None
-        self._dataloader: DataLoaderLike | None = None
+        self._admission: TaskAdmissionLike | None = None
         self._weight_sync_controller: WeightSyncLike | None = None
-        self._validate_dataloader: DataLoaderLike | None = None
         self._validator: ValidatorLike | None = None
         self._loop = LoopThread(f"rollout-{id(self):x}", self._loop_once)
 
     def set_module_references(
         self,
         trajectory_pool: TrajectoryPoolLike,
-        dataloader: DataLoaderLike,
+        task_admission: TaskAdmissionLike,
         weight_sync_controller: WeightSyncLike,
-        validate_dataloader: DataLoaderLike | None = None,
         validator: ValidatorLike | None = None,
     ) -> None:
+        """Tasks come from and go back to `task_admission`; groups go to the pool,
+        validation trajectories to `validator`; the client asks `weight_sync_controller`
+        whether a push holds new requests."""
         self._trajectory_pool = trajectory_pool
-        self._dataloader = dataloader
+        self._admission = task_admission
         self._weight_sync_controller = weight_sync_controller
-        self._validate_dataloader = validate_dataloader
         self._validator = validator
         self._llm_client.set_weight_sync_controller(weight_sync_controller)
 
     # -- lifecycle ---------------------------------------------------------
     def run(self) -> None:
-        if self._weight_sync_controller is None or self._activity_tracker is None:
+        if self._admission is None or self._activity_tracker is None:
             raise RuntimeError(f"{self._module_name}: set module references and tracker first")
         super().run()
 
@@ -197,6 +208,11 @@ class BaseRolloutWorker(LoopModule):
         return super().health_check() and helpers_ok
 
     @property
+    def tracker(self) -> ActivityTrackerProxy:
+        """The activity tracker proxy (set by the system before the loop runs)."""
+        return wired(self._activity_tracker, "activity tracker")
+
+    @property
     def current_task(self) -> Task | None:
         """The task whose `step` runs on the calling thread (None outside a step)."""
         return getattr(self._per_thread, "task", None)
@@ -217,7 +233,7 @@ class BaseRolloutWorker(LoopModule):
 
     def _run_task(self, task: Task) -> None:
         self.current_task = task
-        tracker = self._activity_tracker
+        tracker = self.tracker
         with tracker.track(self._module_name, "rollout", auto_report_errors=False):
             try:
                 result = self._run_steps(task)
@@ -226,7 +242,7 @@ class BaseRolloutWorker(LoopModule):
                 result = StepResult.FAIL
             finally:
                 self._per_thread.episodes = None
-            execute(self._weight_sync_controller.complete_task, self._model_tag(), task, result)
+            execute(wired(self._admission, "task owner").complete, self._model_tag(), task, result)
 
     def _run_steps(self, task: Task) -> StepResult:
         """`step` until the task's group is complete, then the group into the pool."""
@@ -259,7 +275,8 @@ class BaseRolloutWorker(LoopModule):
         group = [t for episode in episodes for t in episode]
         for t in group:
             check_trajectory(t)
-        return StepResult.of(execute(self._trajectory_pool.put_trajectory_group, group))
+        pool = wired(self._trajectory_pool, "trajectory pool")
+        return StepResult.of(execute(pool.put_trajectory_group, group))
 
     def step(self, task: Task) -> StepResult | str | None:
         """Turn one task into trajectories and hand them on (see module docstring)."""
@@ -275,15 +292,15 @@ class BaseRolloutWorker(LoopModule):
 
     # -- data flow (seed 000 names) ------------------------------------------------
     def _get_rollout_task(self) -> Task | None:
-        wsc = self._weight_sync_controller
-        return execute(wsc.acquire_task, self._model_tag(), BLOCKING_GET_WAIT_S)
+        owner = wired(self._admission, "task owner")
+        return execute(owner.acquire, self._model_tag(), BLOCKING_GET_WAIT_S)
 
     def _put_rollout_task(self, task: dict[str, Any] | Task) -> bool:
         """Give a task back to the front of its loader (through the task owner)."""
         if not isinstance(task, Task):
             validate = self.is_validating_task
             task = Task(data=dict(task), is_validate=validate)
-        execute(self._weight_sync_controller.requeue_task, task)
+        execute(wired(self._admission, "task owner").requeue, task)
         return True
 
     def _put_trajectory(self, trajectory: Trajectory) -> StepResult:
@@ -306,14 +323,15 @@ class BaseRolloutWorker(LoopModule):
         if task is not None and task.is_validate:
             for episode in done:
                 for t in episode:
-                    execute(self._validator.put_trajectory, t)
+                    execute(wired(self._validator, "validator").put_trajectory, t)
             return StepResult.SUCCESS
         collected = getattr(self._per_thread, "episodes", None)
         if collected is None:  # outside a task's step (a direct call): straight to the pool
             group = [t for e in done for t in e]
             for t in group:
                 check_trajectory(t)
-            return StepResult.of(execute(self._trajectory_pool.put_trajectory_group, group))
+            pool = wired(self._trajectory_pool, "trajectory pool")
+            return StepResult.of(execute(pool.put_trajectory_group, group))
         collected.extend(done)
         return StepResult.SUCCESS
 
@@ -420,7 +438,8 @@ class BaseRolloutWorker(LoopModule):
         """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its
         named components land in `sample["scores"]`. A failed call raises `RewardFailed`
         (reported, the task retried) and is counted in `rewards/failed/<kind>`."""
-        return self._reward_of(row, sample, self._rewards.score(*self._reward_call(row, sample)))
+        rewards = wired(self._rewards, "reward_fn")
+        return self._reward_of(row, sample, rewards.score(*self._reward_call(row, sample)))
 
     def score_group(self, row: dict[str, Any], samples: list[dict[str, Any]]) -> list[float]:
         """`score` of every sample of one task in one runner call (one thread hop per group,
@@ -431,7 +450,7 @@ class BaseRolloutWorker(LoopModule):
             RewardCall(prompt, s["response"], s.get("prompt_ids"), s.get("response_ids"), data)
             for s in samples
         ]
-        with contextlib.closing(self._rewards.iter_scores(calls)) as outcomes:
+        with contextlib.closing(wired(self._rewards, "reward_fn").iter_scores(calls)) as outcomes:
             return [self._reward_of(row, s, o) for s, o in zip(samples, outcomes, strict=True)]
 
     def _reward_call(self, row: dict[str, Any], sample: dict[str, Any]) -> RewardCall:
@@ -448,13 +467,13 @@ class BaseRolloutWorker(LoopModule):
         self, row: dict[str, Any], sample: dict[str, Any], outcome: RewardOutcome
     ) -> float:
         if not outcome.ok:
-            self._activity_tracker.increment(f"rewards/failed/{outcome.error}")
+            self.tracker.increment(f"rewards/failed/{outcome.error}")
             raise RewardFailed(
                 f"reward {outcome.error} on task {row.get('uid')!r}: {outcome.detail}"
             )
         if outcome.scores:
             sample["scores"] = dict(outcome.scores)
-        return float(outcome.reward)
+        return float(wired(outcome.reward, "reward in a successful outcome"))
 
     def pause(self) -> None:
         """Also end a validation's helper round (a rewind pauses every loop, waits for

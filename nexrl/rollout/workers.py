@@ -16,7 +16,7 @@ from typing import Any
 
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
-from nexrl.rollout.base import BaseRolloutWorker, RolloutContext
+from nexrl.rollout.base import BaseRolloutWorker, RolloutContext, wired
 from nexrl.rollout.partial import aborted, continue_aborted, split_choices
 from nexrl.types import StepResult, Task, Trajectory
 
@@ -102,7 +102,8 @@ class GroupSampler:
         template once, here, and sent as token ids (nothing is re-tokenized later)."""
         client = self._worker._llm_client
         if isinstance(prompt, str):
-            return client.completion(prompt, **kwargs)
+            result: dict[str, Any] = client.completion(prompt, **kwargs)
+            return result
         ids = client.tokenizer.apply_chat_template(
             prompt, add_generation_prompt=True, tokenize=True, return_dict=False
         )
@@ -111,7 +112,7 @@ class GroupSampler:
     def sample(self, task: Task, prompt: Prompt) -> list[dict[str, Any]] | StepResult:
         """The group's samples, or ABORTED / DEFERRED with `task` updated for its next try."""
         worker, ctx = self._worker, self._worker._context
-        client, tracker = worker._llm_client, worker._activity_tracker
+        client, tracker = worker._llm_client, worker.tracker
         kwargs = self.sampling_kwargs(task.is_validate)
         saved, task.partial = task.partial, None
         if saved:
@@ -142,7 +143,8 @@ class GroupSampler:
     def _wait_for_push(self) -> None:
         """Continue as soon as the new weights serve: the engine idles until then, so
         this polls faster than the client's generic weight-sync wait."""
-        wsc, tag = self._worker._weight_sync_controller, self._worker._model_tag()
+        tag = self._worker._model_tag()
+        wsc = wired(self._worker._weight_sync_controller, "weight-sync controller")
         while execute(wsc.check_rollout_service_status, tag) == "block":
             time.sleep(_PUSH_POLL_S)
 

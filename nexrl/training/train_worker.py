@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
@@ -28,10 +28,18 @@ from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_t
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.ledger import checkpoint_ledger
 from nexrl.monitoring.samples import with_staleness
-from nexrl.protocols import DataLoaderLike, TrainBatchPoolLike, WeightSyncLike
+from nexrl.protocols import (
+    DataLoaderLike,
+    TaskAdmissionLike,
+    TrainBatchPoolLike,
+    WeightSyncLike,
+)
 from nexrl.training.checkpoint import atomic_directory
 from nexrl.training.client import TrainServiceClient
 from nexrl.types import DEFAULT_MODEL_TAG, Batch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +147,7 @@ class TrainWorker(LoopModule):
         self._train_batch_pool: TrainBatchPoolLike | None = None
         self._weight_sync_controller: WeightSyncLike | None = None
         self._dataloader: DataLoaderLike | None = None
+        self._admission: TaskAdmissionLike | None = None
         self._loop = LoopThread("train-worker", self._loop_once)
 
     def set_module_references(
@@ -146,10 +155,13 @@ class TrainWorker(LoopModule):
         train_batch_pool: TrainBatchPoolLike,
         weight_sync_controller: WeightSyncLike,
         dataloader: DataLoaderLike | None = None,
+        task_admission: TaskAdmissionLike | None = None,
     ) -> None:
+        """`task_admission`: the task owner whose pending tasks each checkpoint saves."""
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller
         self._dataloader = dataloader
+        self._admission = task_admission
 
     def initialize_workers(self) -> None:
         self._client.initialize()
@@ -270,7 +282,7 @@ class TrainWorker(LoopModule):
                 backend="samples", rows=with_staleness(rows, step - 1), step=step
             )
 
-    def compute_ref_logprobs(self, batch: Batch) -> Any:
+    def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor | None:
         """(B, T) reference-model logprobs, or None without a reference model."""
         return self._client.compute_ref_logprobs(batch)
 
@@ -337,9 +349,8 @@ class TrainWorker(LoopModule):
         """The loader position and the tasks handed out but not trained after `step` steps,
         from the task owner in one snapshot (exactly once across crashes); without one,
         the loader position alone."""
-        wsc = self._weight_sync_controller
-        if wsc is not None and hasattr(wsc, "checkpoint_tasks"):
-            state = execute(wsc.checkpoint_tasks, self._model_tag, step)
+        if self._admission is not None:
+            state = execute(self._admission.checkpoint_state, self._model_tag, step)
             if state.get("dataloader") is None:
                 state.pop("dataloader", None)
             return state

@@ -1,7 +1,6 @@
 """Seed 000's usage snippets (activity tracking, debugging tools) and the names it documents
-that no other test covered: TrajectoryPoolInstance's and WeightSyncController's seed
-methods, get_batch_any, easy_dump, _put_rollout_task, set_train_step, SimpleRolloutWorker,
-resume.mode=from_path.
+that no other test covered: TrajectoryPoolInstance's seed methods, get_batch_any,
+easy_dump, _put_rollout_task, set_train_step, SimpleRolloutWorker, resume.mode=from_path.
 Changes to a snippet are marked `# CHANGED:`."""
 
 from __future__ import annotations
@@ -35,14 +34,14 @@ def traj(uid: str, tag: str = "default") -> dict:
 
 
 def test_trajectory_pool_instance_seed_methods():
-    wsc, pool, _ = make_weight_sync()
+    tasks, _, pool, _ = make_weight_sync()
     config = TrajectoryPoolConfig(batch_size=2, group_size=1, key_list=[])
     inst = TrajectoryPoolInstance("default", config, PoolRefs())
     tracker = pool._activity_tracker
-    inst.set_module_references(pool._refs.dataloader, wsc, tracker)
-    assert (inst._refs.dataloader, inst._refs.wsc, inst._refs.tracker) == (
+    inst.set_module_references(pool._refs.dataloader, tasks, tracker)
+    assert (inst._refs.dataloader, inst._refs.admission, inst._refs.tracker) == (
         pool._refs.dataloader,
-        wsc,
+        tasks,
         tracker,
     )
     assert inst.put_trajectory(traj("a")) == "success"
@@ -52,11 +51,6 @@ def test_trajectory_pool_instance_seed_methods():
     assert inst.put_trajectory(traj("b")) == "success"
     assert inst.put_trajectory({"uid": "bad"}) == "fail"  # malformed: refused and reported
     assert len(inst) == 2
-
-
-def test_weight_sync_controller_batch_ready_alias_reports_the_admission_state():
-    wsc, _, _ = make_weight_sync()
-    assert wsc.trajectory_pool_notify_batch_ready("default") == wsc.get_admission_state("default")
 
 
 def test_get_batch_any_takes_a_batch_from_whichever_tag_has_one():
@@ -129,7 +123,7 @@ def test_easy_dump_and_put_rollout_task(controller, caplog):
     assert text in caplog.text
     # _put_rollout_task: the task goes back to the front of the loader
     assert worker._put_rollout_task({"prompt": "again", "uid": "x"}) is True
-    task = execute(s.weight_sync_controller.acquire_task, "default")
+    task = execute(s.task_admission.acquire, "default")
     assert task is not None and task.data["prompt"] == "again"
 
 

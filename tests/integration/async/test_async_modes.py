@@ -50,7 +50,7 @@ def queued_tasks(system) -> int:
     returned = sum(1 for t in execute(loader.returned_items) if isinstance(t, Task))
     group = execute(system.trajectory_pool.num_ready) // 4
     batches = execute(system.train_batch_pool.qsize) * 2  # 8 / group_size 4 = 2 groups
-    state = execute(system.weight_sync_controller.get_admission_state, "default")
+    state = execute(system.task_admission.snapshot, "default")
     return returned + group + batches + state["tail_candidates"]
 
 

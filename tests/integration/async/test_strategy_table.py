@@ -44,7 +44,7 @@ def build(engine, path, k=1, f=0.0, partial=False, tail_steps=0, trigger=0, gpb=
     side = build_rollout_side(
         client, items, shift_letters, weight=weight, worker=worker, gpb=gpb, sync_weight_path=path
     )
-    return side.worker, side.wsc, side.pool, side.loader, side.tracker
+    return side.worker, side.tasks, side.wsc, side.pool, side.loader, side.tracker
 
 
 def loop_with_push(worker, wsc, engine):
@@ -62,36 +62,36 @@ def loop_with_push(worker, wsc, engine):
 
 def test_synchronous_strategy_sends_no_extra_data(engine, tiny_model_path):
     """staleness 0, no partial, no tail: exactly one batch worth of groups in flight."""
-    _, wsc, *_ = build(engine, tiny_model_path, k=0, f=0.0)
-    assert [wsc.acquire_task("default") is not None for _ in range(3)] == [True, True, False]
+    _, owner, *_ = build(engine, tiny_model_path, k=0, f=0.0)
+    assert [owner.acquire("default") is not None for _ in range(3)] == [True, True, False]
 
 
 def test_async_1_over_sends_and_serves_aborted_tasks_first(engine, tiny_model_path):
     """20% over-sending; responses dropped at the push; the aborted task is served next."""
-    worker, wsc, pool, loader, tracker = build(engine, tiny_model_path, k=0, f=0.2, gpb=5)
-    assert wsc.get_admission_state()["outstanding"] == 0
-    tasks = [wsc.acquire_task("default") for _ in range(8)]
+    worker, owner, wsc, pool, loader, tracker = build(engine, tiny_model_path, k=0, f=0.2, gpb=5)
+    assert owner.snapshot("default")["outstanding"] == 0
+    tasks = [owner.acquire("default") for _ in range(8)]
     admitted = [t for t in tasks if t is not None]
     assert len(admitted) == 6  # 5 + ceil(0.2 * 5)
     for task in reversed(admitted):  # give them back: the front is 0, 1, ... again
-        wsc.complete_task("default", task, StepResult.REROLL)
+        owner.complete("default", task, StepResult.REROLL)
     loop_with_push(worker, wsc, engine)
     assert pool.is_empty()  # nothing kept from the aborted generation
     first = loader.get_next_item()
     assert first.data["index"] == 0 and first.aborts == 1  # the abort queue comes first
     assert tracker.get_counters()["rollout/aborted_groups"] == 1
-    assert wsc.get_admission_state()["outstanding"] == 0  # its slot was given back
+    assert owner.snapshot("default")["outstanding"] == 0  # its slot was given back
 
 
 def test_async_2_tail_candidate_after_candidate_steps_plus_one_aborts(engine, tiny_model_path):
     """No partial, tail_batch_candidate_steps=1: the 2nd abort moves the task to the pool."""
-    worker, wsc, pool, loader, _ = build(engine, tiny_model_path, tail_steps=1, trigger=2)
+    worker, owner, wsc, pool, loader, _ = build(engine, tiny_model_path, tail_steps=1, trigger=2)
     loop_with_push(worker, wsc, engine)
     assert loader.returned_items()[0].aborts == 1  # first abort: re-queued
     loop_with_push(worker, wsc, engine)
     assert loader.returned_items() == []
-    assert wsc.get_admission_state()["tail_candidates"] == 1  # waits for a 2nd candidate
-    assert wsc.admission.flush_tail("default") == 1
+    assert owner.snapshot("default")["tail_candidates"] == 1  # waits for a 2nd candidate
+    assert owner.flush_tail("default") == 1
     served = loader.returned_items()[0]
     assert served.tail and served.partial is None
     loop_with_push(worker, wsc, engine)  # a tail task is not aborted out again
@@ -106,7 +106,7 @@ def check_concatenated(traj):
 
 def test_async_3_partial_rollout_keeps_and_concatenates(engine, tiny_model_path):
     """Partial rollout: the aborted samples continue on the new weights, one sample each."""
-    worker, wsc, pool, _, tracker = build(engine, tiny_model_path, partial=True)
+    worker, owner, wsc, pool, _, tracker = build(engine, tiny_model_path, partial=True)
     loop_with_push(worker, wsc, engine)
     group = pool.get_batch(2).to_trajectories()
     assert len(group) == 2
@@ -122,7 +122,7 @@ def test_async_3_partial_rollout_keeps_and_concatenates(engine, tiny_model_path)
 
 def test_async_4_partial_tail_candidate_keeps_its_tokens(engine, tiny_model_path):
     """Partial + tail_batch_candidate_steps=1: the 2nd abort defers the partial sample."""
-    worker, wsc, pool, loader, _ = build(
+    worker, owner, wsc, pool, loader, _ = build(
         engine, tiny_model_path, partial=True, tail_steps=1, trigger=1
     )
     loop_with_push(worker, wsc, engine)  # abort 1: continued (partial)

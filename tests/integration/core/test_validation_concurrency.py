@@ -61,8 +61,8 @@ def validate(client, tasks_per_worker: int, worker_cls=SingleTurnRolloutWorker):
     loader = InMemoryDataLoader({}, is_validate=True, items=VALIDATE)
     validator = Validator()
     validator.set_activity_tracker(side.worker._activity_tracker)
-    side.wsc.set_module_references(side.loader, side.pool, loader)
-    side.worker.set_module_references(side.pool, side.loader, side.wsc, loader, validator)
+    side.tasks.set_module_references(side.loader, loader)
+    side.worker.set_module_references(side.pool, side.tasks, side.wsc, validator)
     validator.begin(len(VALIDATE))
     side.wsc.start_validate("t")
     side.worker.begin_validate()
@@ -85,7 +85,7 @@ def test_a_worker_runs_its_validation_tasks_side_by_side(client):
     assert sorted(t["prompt"] for t in trajectories) == sorted(r["prompt"] for r in VALIDATE)
     assert side.worker.health_check()
     assert not side.worker._helpers.busy  # the helpers are parked
-    assert side.wsc.acquire_task("t").is_validate is False  # training resumes
+    assert side.tasks.acquire("t").is_validate is False  # training resumes
     side.worker.stop()
 
 
@@ -114,7 +114,7 @@ def test_a_helper_that_dies_fails_the_workers_health_check(client):
     def broken(tag, wait_s=0.0):
         raise ConnectionError("task owner unreachable")
 
-    side.wsc.acquire_task = broken
+    side.tasks.acquire = broken
     side.wsc.start_validate("t")
     side.worker.begin_validate()
     assert side.worker._helpers.wait(10)

@@ -25,7 +25,7 @@ TAG = "default"
 def _setup(n: int, trigger: int = 5) -> tuple[TaskAdmission, InMemoryDataLoader]:
     loader = InMemoryDataLoader(items=[{"prompt": f"p{i}"} for i in range(n)])
     admission = TaskAdmission(SamplePolicy(tail_batch_trigger_size=trigger), max_task_retries=100)
-    admission.set_sources(loader, None, None)
+    admission.set_module_references(loader)
     return admission, loader
 
 
@@ -53,7 +53,7 @@ def _form(admission: TaskAdmission, tasks: list[Task]) -> int:
 
 def test_checkpoint_holds_every_untrained_task_once_and_resume_hands_out_the_rest():
     admission, loader = _setup(12)
-    t = [admission.acquire(TAG, validating=False) for _ in range(8)]
+    t = [admission.acquire(TAG) for _ in range(8)]
     for task in t[:3]:
         admission.complete(TAG, task, StepResult.SUCCESS)
     assert _form(admission, t[:2]) == 0  # batch 0: t0, t1 (formed, not trained)
@@ -80,7 +80,7 @@ def test_checkpoint_holds_every_untrained_task_once_and_resume_hands_out_the_res
     loader2.load_state_dict(snap["dataloader"])
     assert admission2.restore(snap["pending_tasks"]) == 4
     served = []
-    while (task := admission2.acquire(TAG, validating=False)) is not None:
+    while (task := admission2.acquire(TAG)) is not None:
         served.append(task)
     assert Counter(x.uid for x in served) == places
     tail = next(x for x in served if x.uid == t[3].uid)
@@ -91,7 +91,7 @@ def test_checkpoint_holds_every_untrained_task_once_and_resume_hands_out_the_res
 
 def test_trained_batches_leave_the_ledger():
     admission, _ = _setup(6)
-    tasks = [admission.acquire(TAG, validating=False) for _ in range(4)]
+    tasks = [admission.acquire(TAG) for _ in range(4)]
     for task in tasks:
         admission.complete(TAG, task, StepResult.SUCCESS)
     _form(admission, tasks[:2])
@@ -107,7 +107,7 @@ def test_trained_batches_leave_the_ledger():
 def test_failed_and_stale_tasks_are_in_one_place():
     admission, loader = _setup(4)
     admission.max_task_retries = 0
-    a, b = admission.acquire(TAG, False), admission.acquire(TAG, False)
+    a, b = admission.acquire(TAG), admission.acquire(TAG)
     admission.complete(TAG, a, StepResult.FAIL)  # no retry left: counted failed
     admission.complete(TAG, b, StepResult.SUCCESS)
     plan = admission.form_batch(TAG, [GroupInfo(b.task_id, -5)], 1)  # stale: re-queued
@@ -130,7 +130,7 @@ def test_concurrent_checkpoints_see_each_task_exactly_once():
     def work(seed: int) -> None:
         r = random.Random(seed)
         while not done.is_set():
-            task = admission.acquire(TAG, validating=False)
+            task = admission.acquire(TAG)
             if task is None:
                 time.sleep(0.001)
                 continue

@@ -39,8 +39,8 @@ class CountingCondition(threading.Condition):
 
 def _admission() -> tuple[TaskAdmission, CountingCondition]:
     admission = TaskAdmission(SamplePolicy(groups_per_batch=GROUPS), max_task_retries=0)
-    admission.set_sources(
-        InMemoryDataLoader(items=[{"prompt": f"p{i}"} for i in range(20)]), None, None
+    admission.set_module_references(
+        InMemoryDataLoader(items=[{"prompt": f"p{i}"} for i in range(20)])
     )
     counting = CountingCondition(admission._cond._lock)  # waiters sleep on this one
     admission._cond = counting
@@ -51,7 +51,7 @@ def _waiters(admission: TaskAdmission, n: int) -> tuple[list[threading.Thread], 
     got: list[Task] = []
 
     def wait() -> None:
-        task = admission.acquire(TAG, validating=False, wait_s=10.0)
+        task = admission.acquire(TAG, wait_s=10.0)
         if task is not None:
             got.append(task)
 
@@ -73,7 +73,7 @@ def _until(predicate, timeout: float = 5.0) -> bool:
 @pytest.mark.timeout(30)
 def test_groups_reaching_the_pool_do_not_wake_waiting_workers_and_a_new_version_admits():
     admission, counting = _admission()
-    running = [admission.acquire(TAG, validating=False) for _ in range(GROUPS)]
+    running = [admission.acquire(TAG) for _ in range(GROUPS)]
     assert all(running) and admission.snapshot(TAG)["outstanding"] == GROUPS
     threads, got = _waiters(admission, 3)
     assert _until(lambda: counting.waiting == 3)
@@ -105,7 +105,7 @@ def test_groups_reaching_the_pool_do_not_wake_waiting_workers_and_a_new_version_
 @pytest.mark.timeout(30)
 def test_a_stale_group_dropped_while_a_batch_forms_admits_a_waiting_worker():
     admission, counting = _admission()
-    running = [admission.acquire(TAG, validating=False) for _ in range(GROUPS)]
+    running = [admission.acquire(TAG) for _ in range(GROUPS)]
     threads, got = _waiters(admission, 1)
     assert _until(lambda: counting.waiting == 1)
     for task in running:

@@ -29,15 +29,15 @@ ITEMS = 18  # 4 batches of 4 groups, 2 groups left over
 def test_end_of_data_waits_for_every_handed_out_task_then_drops_are_settled():
     loader = InMemoryDataLoader(items=[{"prompt": f"p{i}"} for i in range(3)])
     admission = TaskAdmission(SamplePolicy(), max_task_retries=0)
-    admission.set_sources(loader, None, None)
-    tasks = [admission.acquire(TAG, validating=False) for _ in range(3)]
+    admission.set_module_references(loader)
+    tasks = [admission.acquire(TAG) for _ in range(3)]
     assert loader.is_finished() and not admission.end_of_data(TAG)  # all three generating
     admission.complete(TAG, tasks[0], StepResult.SUCCESS)
     admission.complete(TAG, tasks[1], StepResult.SUCCESS)
     assert not admission.end_of_data(TAG)  # tasks[2] still generating
     admission.complete(TAG, tasks[2], StepResult.ABORTED)  # back to the loader
     assert not admission.end_of_data(TAG)
-    again = admission.acquire(TAG, validating=False)
+    again = admission.acquire(TAG)
     admission.complete(TAG, again, StepResult.SUCCESS)
     assert admission.end_of_data(TAG)
     groups = [GroupInfo(t.task_id, None) for t in (tasks[0], tasks[1], again)]

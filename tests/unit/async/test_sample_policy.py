@@ -10,7 +10,7 @@ from nexrl.monitoring import ActivityTracker, ActivityTrackerProxy
 from nexrl.pools import TrajectoryPool
 from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
 from nexrl.types import StepResult
-from nexrl.weight_sync import WeightSyncController
+from tests.rollout_parts import build_task_owner
 
 
 def ledger(k=1, gpb=2, f=0.0, mode="batch-async"):
@@ -101,21 +101,19 @@ class NullInference:
 
 
 def make_system(k, gpb, f, group_size=2):
-    wsc = WeightSyncController(
+    owner, wsc = build_task_owner(
         WeightConfig(sync_mode="fully-async", staleness_threshold=k, over_sample_threshold=f),
         NullInference(),
-        "/tmp/unused",
-        groups_per_batch=gpb,
-        max_task_retries=0,
+        gpb=gpb,
     )
     loader = InMemoryDataLoader({}, items=[{"prompt": f"p{i}"} for i in range(10_000)])
     pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=gpb * group_size, group_size=group_size))
     tracker = ActivityTrackerProxy(ActivityTracker({}))
-    for m in (wsc, pool, loader):
+    for m in (owner, wsc, pool, loader):
         m.set_activity_tracker(tracker)
-    pool.set_module_references(loader, wsc)
-    wsc.set_module_references(loader, pool)
-    return wsc, pool, loader, tracker
+    pool.set_module_references(loader, owner)
+    owner.set_module_references(loader)
+    return owner, wsc, pool, loader, tracker
 
 
 OVER_SENT_LANDS_LATE = [
@@ -142,12 +140,12 @@ def test_random_schedules_never_train_a_sample_beyond_the_bound(k, gpb, f, actio
     """s: a group starts (if admitted); d: a random running group is delivered
     (any order); b: the pool forms a batch; t: the oldest formed batch trains and
     the weights are pushed. Every trained sample has staleness <= k."""
-    wsc, pool, loader, tracker = make_system(k, gpb, f)
+    owner, wsc, pool, loader, tracker = make_system(k, gpb, f)
     running: list[tuple[dict, int]] = []
     formed: list = []
     for action, pick in actions:
         version = wsc.get_rollout_model_version()
-        task = wsc.acquire_task("default") if action == "s" else None
+        task = owner.acquire("default") if action == "s" else None
         if task is not None:
             running.append((task, version))
         elif action == "d" and running:
@@ -166,7 +164,7 @@ def test_random_schedules_never_train_a_sample_beyond_the_bound(k, gpb, f, actio
                 for _ in range(2)
             ]
             assert pool.put_trajectory_group(group) == "success"
-            wsc.complete_task("default", task, StepResult.SUCCESS)
+            owner.complete("default", task, StepResult.SUCCESS)
         elif action == "b":
             batch = pool.get_batch()
             if batch is not None:
@@ -174,11 +172,11 @@ def test_random_schedules_never_train_a_sample_beyond_the_bound(k, gpb, f, actio
         elif action == "t" and formed:
             batch = formed.pop(0)
             step = batch.metadata["batch_index"]
-            assert step == wsc.get_admission_state()["version"]  # trains in order
+            assert step == owner.snapshot("default")["version"]  # trains in order
             for versions in batch.values["token_versions"]:
                 assert step - min(versions) <= k
             wsc.train_worker_notify_weight_update("train_worker_0", "default")
-        state = wsc.get_admission_state()
+        state = owner.snapshot("default")
         in_pool = pool.num_ready() // 2
         assert state["outstanding"] == len(running) + in_pool  # the ledger is exact
         assert state["outstanding"] <= (k + 1) * gpb + int(-(-f * gpb // 1))
@@ -240,7 +238,7 @@ def test_partial_rollout_default_is_on_where_pushes_abort(extra, capable, expect
 
 
 def test_rollout_context_resolves_partial_rollout_like_the_policy():
-    from nexrl.builders import build_weight_sync_controller, inflight_capable
+    from nexrl.builders import build_task_admission, inflight_capable
     from nexrl.config import load_config
     from nexrl.rollout.base import RolloutContext
 
@@ -251,7 +249,7 @@ def test_rollout_context_resolves_partial_rollout_like_the_policy():
         ["weight.sync_mode=batch-async"],
     ):
         cfg = load_config(extra)
-        policy = build_weight_sync_controller(cfg).policy
+        policy = build_task_admission(cfg).policy
         context = RolloutContext.from_config(cfg, inflight_capable(cfg))
         assert context.enable_partial_rollout is policy.enable_partial_rollout, extra
     hf = load_config(["weight.sync_mode=fully-async", "service.inference_service.backend=hf"])

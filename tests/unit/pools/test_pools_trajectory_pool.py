@@ -15,7 +15,7 @@ from nexrl.rollout.admission import BatchPlan
 from nexrl.types import Batch
 
 
-class RecordingWeightSync:
+class RecordingTaskOwner:
     """Stand-in task owner: records each `form_batch` call and marks the groups whose
     oldest version is below `min_version` as stale."""
 
@@ -51,9 +51,9 @@ def group(uid: str, n: int, **kw) -> list[dict]:
     return [traj(uid, i, **kw) for i in range(n)]
 
 
-def make_pool(**cfg) -> tuple[TrajectoryPool, RecordingWeightSync]:
+def make_pool(**cfg) -> tuple[TrajectoryPool, RecordingTaskOwner]:
     pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2, **cfg))
-    wsc = RecordingWeightSync()
+    wsc = RecordingTaskOwner()
     # data left in the loader: not the end of the data, so short batches wait
     pool.set_module_references(InMemoryDataLoader(items=[{"prompt": "x"}]), wsc)
     return pool, wsc
@@ -117,7 +117,7 @@ def test_loaded_batch_finished_releases_the_tail() -> None:
             batch_size=4, group_size=2, check_batch_ready_function="loaded_batch_finished"
         )
     )
-    wsc = RecordingWeightSync()
+    wsc = RecordingTaskOwner()
     pool.set_activity_tracker(ActivityTrackerProxy(tracker))
     pool.set_module_references(loader, wsc)
     pool.put_trajectory_group(group("a", 2))
@@ -140,7 +140,7 @@ def test_the_last_group_arriving_during_the_end_of_data_check_makes_a_full_batch
     not drop the groups it read as a tail."""
     loader = InMemoryDataLoader(items=[])
     pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=4, group_size=2))
-    wsc = RecordingWeightSync()
+    wsc = RecordingTaskOwner()
 
     def last_group_arrives(model_tag):
         pool.put_trajectory_group(group("b", 2))
