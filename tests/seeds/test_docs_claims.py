@@ -50,13 +50,31 @@ def test_defaults_stated_in_prose_are_the_schemas():
     assert not wrong, "; ".join(wrong)
 
 
+class RecordingWorker:
+    """A `rollout_worker.type=module:Class` that keeps what it was constructed with."""
+
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+
 def test_custom_worker_construction_as_documented():
     text = (DOCS / "rollout.md").read_text()
     assert "`Class(config, llm_client, context, reward_fn)`" in text
-    from nexrl import builders
+    from nexrl.builders import build_rollout_worker
+    from nexrl.inference.client import LLMServiceClient, shutdown_local_engines
+    from nexrl.rewards import get_reward_fn
+    from nexrl.rollout.base import RolloutContext
 
-    source = Path(builders.__file__).read_text()
-    assert "return cls(config, client, context, get_reward_fn(config.reward_fn))" in source
+    cfg = load_config([f"rollout_worker.type={__name__}:RecordingWorker"])
+    try:
+        worker = build_rollout_worker(cfg)
+        assert isinstance(worker, RecordingWorker)
+        config, client, context, reward_fn = worker.args
+        assert config.type == cfg.rollout_worker.type and config.group_size == 16
+        assert isinstance(client, LLMServiceClient) and isinstance(context, RolloutContext)
+        assert reward_fn is get_reward_fn(cfg.rollout_worker.reward_fn)
+    finally:
+        shutdown_local_engines()
 
 
 def test_pool_group_size_default_from_python_as_documented():

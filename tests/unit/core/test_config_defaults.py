@@ -101,6 +101,7 @@ def test_a_run_with_typed_engine_options_checks_them_before_building(tmp_path):
 
     with pytest.raises(ValueError, match=f"{ENGINE_KEY}.native_attention"):
         LLMServiceClient({"backend": "builtin", "engine": {"native_attention": "maybe"}})
+    shutdown_local_engines()  # an earlier test's engine of the same tag would be reused
     client = LLMServiceClient({"backend": "builtin", "engine": {"max_batch_size": 4, "seed": 3}})
     try:
         assert client._engine.max_batch_size == 4
