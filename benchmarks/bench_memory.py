@@ -11,6 +11,7 @@ PPO-clip loss on full-length rows whose second half is the response.
     python benchmarks/bench_memory.py --fit       # random SmolLM2-family 360M (full), 1.7B (LoRA)
     python benchmarks/bench_memory.py --recipe --baseline DIR [--steps 3]
         # /usr/bin/time -v nexrl train --config-name smollm2_arithmetic, DIR's tree vs this one
+        # (--runs KEEP: the runs' logs and each second's RSS, rss.tsv, are kept there)
 
 Last line: `peak_rss_gib_at_largest:` (smoke, scale, fit) or `recipe_peak_rss_new_vs_old:`.
 """
@@ -166,31 +167,59 @@ def grid(args) -> list[dict]:
 
 
 def recipe_run(tree: Path, steps: int, out: Path) -> dict:
-    """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH."""
+    """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH; the RSS of
+    the run is also sampled each second into `out/rss.tsv` (where in the run the peak is)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [
         "/usr/bin/time", "-v", sys.executable, "-m", "nexrl.cli", "train",
         "--config-name", "smollm2_arithmetic", f"output_dir={out}",
         f"train_worker.total_train_steps={steps}", "weight.validate_freq=3",
     ]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-    wall = time.perf_counter() - start
-    text = proc.stdout + proc.stderr
+    with open(out / "log.txt", "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
+        samples = _sample_rss(proc)
+        wall = time.perf_counter() - start
+        log.seek(0)
+        text = log.read()
+    (out / "rss.tsv").write_text("".join(f"{t:.0f}\t{r / GIB:.3f}\n" for t, r in samples))
     if proc.returncode != 0:
         raise RuntimeError(f"recipe run in {tree} failed:\n{text[-3000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
     vals = re.findall(r"validation at step (\d+): \{'val/reward': ([0-9.]+)", text)
-    return {"peak_rss_gib": rss * 1024 / GIB, "wall_s": wall, "val": vals}
+    peak_at = max(samples, key=lambda s: s[1])[0] if samples else 0.0
+    return {"peak_rss_gib": rss * 1024 / GIB, "wall_s": wall, "val": vals, "peak_at_s": peak_at}
+
+
+def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
+    """(seconds since start, RSS of `proc`'s process tree) each second until it exits."""
+    import psutil
+
+    start, samples = time.perf_counter(), []
+    while proc.poll() is None:
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            samples.append((time.perf_counter() - start, sum(p.memory_info().rss for p in tree)))
+        except psutil.Error:
+            pass
+        time.sleep(1.0)
+    return samples
 
 
 def recipe(args) -> tuple[list[str], str]:
-    old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
     new = recipe_run(ROOT, args.steps, Path(args.out) / "new")
-    lines = ["| tree | peak RSS (GiB) | wall (s) | held-out reward by step |", "|---|---|---|---|"]
+    old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
+    lines = [
+        "| tree | peak RSS (GiB) | peak at (s) | wall (s) | held-out reward by step |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in (("before (" + args.baseline + ")", old), ("this tree", new)):
         val = ", ".join(f"{s}: {v}" for s, v in r["val"])
-        lines.append(f"| {name} | {r['peak_rss_gib']:.2f} | {r['wall_s']:.0f} | {val} |")
+        lines.append(
+            f"| {name} | {r['peak_rss_gib']:.2f} | {r['peak_at_s']:.0f} | {r['wall_s']:.0f} "
+            f"| {val} |"
+        )
     return lines, f"recipe_peak_rss_new_vs_old: {new['peak_rss_gib'] / old['peak_rss_gib']:.3f}"
 
 
@@ -206,6 +235,7 @@ def main() -> None:
     p.add_argument("--recipe", action="store_true")
     p.add_argument("--baseline", help="a checkout of the nexrl to compare (--recipe)")
     p.add_argument("--steps", type=int, default=3, help="recipe train steps (--recipe)")
+    p.add_argument("--runs", help="keep the two runs' folders (logs, rss.tsv) here (--recipe)")
     p.add_argument("--micro", type=int, default=8192, help="micro_batch_tokens (--scale)")
     p.add_argument("--geometry", action="append", dest="geometries", default=None,
                    help="ROWSxTOKENS (--scale; repeatable)")  # fmt: skip
@@ -220,7 +250,7 @@ def main() -> None:
             p.error("--recipe needs --baseline DIR (a checkout of the nexrl to compare)")
         out = results_dir(args)
         with tempfile.TemporaryDirectory() as tmp:
-            args.out = tmp  # the two runs' folders
+            args.out = args.runs or tmp  # the two runs' folders
             lines, last = recipe(args)
         args.out, args.update_results = out, False
         title = f": the recipe's peak RSS, {args.steps} steps, before vs this tree"
