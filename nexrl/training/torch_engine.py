@@ -40,7 +40,7 @@ from nexrl.training.microbatch import (
     split_by_tokens,
     token_logprobs,
 )
-from nexrl.training.optim import make_adamw, make_scheduler
+from nexrl.training.optim import grads_in_one_block, make_adamw, make_scheduler
 from nexrl.training.parallel import all_reduce_sum, init_from_env, wrap_model
 from nexrl.training.shared_prefix import (
     plan_prefixes,
@@ -277,7 +277,7 @@ class TorchTrainEngine:
         micro = self._micro_batches(values["attention_mask"])
         want_entropy = self.config.entropy or bool(loss_kwargs.get("entropy_coef"))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         sums: dict[str, float] = defaultdict(float)
         self._model_tokens = 0
         for k, (rows, weight) in enumerate(micro):
@@ -302,6 +302,16 @@ class TorchTrainEngine:
         sums["model_tokens"] = float(self._model_tokens)
         return self._finish_step(sums, totals)
 
+    def _releases_memory(self) -> bool:
+        return release_wanted(self.config.release_host_memory, self.device.type, self._n_params)
+
+    def _zero_grads(self) -> None:
+        """No gradients, or (one rank, releasing host memory) zeros in one block that the
+        update frees as a whole (`grads_in_one_block`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.world_size == 1 and self._releases_memory():
+            grads_in_one_block([p for p in self.model.parameters() if p.requires_grad])
+
     def _micro_batches(self, attention_mask: torch.Tensor) -> list[tuple[list[int], float]]:
         """(rows, weight) per micro-batch. Every rank runs the same number of forwards
         (FSDP2 / DDP collectives must pair up): a rank with fewer pads with weight-0
@@ -321,7 +331,8 @@ class TorchTrainEngine:
         self.optimizer.step()
         self.scheduler.step()
         self._step += 1
-        if release_wanted(self.config.release_host_memory, self.device.type, self._n_params):
+        if self._releases_memory():
+            self.optimizer.zero_grad(set_to_none=True)  # the gradients' block is unmapped
             release_freed_memory()  # nexrl/host_memory.py: why, and the switch
         metrics = _reduce_metrics(sums, float(totals[0]), totals.device)
         metrics.update(
