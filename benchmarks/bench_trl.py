@@ -13,7 +13,8 @@ smollm2_arithmetic` (validation off); TRL runs in the Python given by `--trl-pyt
     python benchmarks/bench_trl.py --trl-python /work/venvs/trl/bin/python --steps 4 \\
         --update-results
 
-Last line: `nexrl_vs_trl_step_s: X` (nexrl's best mode / TRL, seconds per step).
+Last lines: `nexrl_step_s: X` (nexrl's best mode), then with TRL `nexrl_vs_trl_step_s: X`
+(nexrl's best mode / TRL, seconds per step).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def nexrl_side(model: str, mode: str, work: dict, steps: int, out: Path) -> dict
         "train_worker.save_freq=0", "validate.validate_before_train=false",
         "weight.validate_freq=0", "logger.backend=[jsonl]",
         f"rollout_worker.num_workers={prompts}", f"rollout_worker.group_size={group}",
-        f"trajectory_pool.batch_size={prompts * group}", f"rollout_worker.max_tokens={work['tokens']}",
+        f"trajectory_pool.batch_size={prompts * group}",
+        f"rollout_worker.max_tokens={work['tokens']}",
         *MODES[mode],
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -59,7 +61,9 @@ def nexrl_side(model: str, mode: str, work: dict, steps: int, out: Path) -> dict
     if proc.returncode != 0:
         raise RuntimeError(f"nexrl {mode} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = [json.loads(line) for f in out.rglob("metrics.jsonl") for line in f.open()]
-    step_s = [r["timing/step_s"] for r in sorted(rows, key=lambda r: r["step"]) if "timing/step_s" in r]
+    step_s = [
+        r["timing/step_s"] for r in sorted(rows, key=lambda r: r["step"]) if "timing/step_s" in r
+    ]
     if len(step_s) != steps:
         raise RuntimeError(f"nexrl {mode}: {len(step_s)} steps logged, {steps} expected")
     return {"side": f"nexrl {mode}", "step_s": step_s, "wall_s": wall}
@@ -78,7 +82,11 @@ def trl_side(python: str, model: str, work: dict, steps: int, train_file: Path) 
     if proc.returncode != 0:
         raise RuntimeError(f"TRL failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"side": f"TRL {result['version']} GRPOTrainer", "step_s": result["step_s"], "wall_s": wall}
+    return {
+        "side": f"TRL {result['version']} GRPOTrainer",
+        "step_s": result["step_s"],
+        "wall_s": wall,
+    }
 
 
 def trl_child(spec: dict) -> dict:
@@ -183,13 +191,14 @@ def main() -> None:
     print("\n".join(lines))
     best = min(results, key=median_step)
     if not args.smoke:
-        head = section_head(f": {steps} steps, {work['prompts']} x {work['group']} x {work['tokens']}")
+        head = section_head(
+            f": {steps} steps, {work['prompts']} x {work['group']} x {work['tokens']}"
+        )
         prepend_section(results_dir(args) / "trl.md", TITLE, [*head, *lines, ""])
     print(describe())
+    print(f"nexrl_step_s: {median_step(best):.3f} ({best['side']})")
     if trl:
         print(f"nexrl_vs_trl_step_s: {median_step(best) / median_step(trl):.3f}")
-    else:
-        print(f"nexrl_step_s: {median_step(best):.3f} (no TRL to compare)")
 
 
 if __name__ == "__main__":
