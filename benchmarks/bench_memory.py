@@ -9,6 +9,7 @@ PPO-clip loss on full-length rows whose second half is the response.
     python benchmarks/bench_memory.py --smoke     # CI: a tiny model, two geometries, seconds
     python benchmarks/bench_memory.py --scale     # SmolLM2-135M: rows x tokens
     python benchmarks/bench_memory.py --fit       # random SmolLM2-family 360M (full), 1.7B (LoRA)
+    python benchmarks/bench_memory.py --grads     # SmolLM2: gradients in one block vs per parameter
     python benchmarks/bench_memory.py --recipe --baseline DIR [--steps 3]
         # /usr/bin/time -v nexrl train --config-name smollm2_arithmetic, DIR's tree vs this one
         # (--runs KEEP: the runs' logs and each second's RSS, rss.tsv, are kept there)
@@ -83,6 +84,8 @@ def child(spec: dict) -> dict:
         engine = TorchTrainEngine(config, "smollm2")
     else:
         engine = TorchTrainEngine(config, spec["model"], model=random_model(spec["model"]))
+    if spec.get("grad_block") is False:  # --grads: per-parameter gradients, as before
+        engine._zero_grads = lambda: engine.optimizer.zero_grad(set_to_none=True)
     built = _rss_now()
     rows, tokens = spec["rows"], spec["tokens"]
     vocab = engine.model.get_input_embeddings().weight.shape[0]
@@ -140,6 +143,8 @@ def table(results: list[dict]) -> list[str]:
     ]
     for r in results:
         lora = " LoRA" if r.get("lora") else ""
+        if "grad_block" in r:
+            lora += ", gradients in one block" if r["grad_block"] else ", per-parameter gradients"
         lines.append(
             f"| {r['model']}{lora} | {r['params'] / 1e6:.0f}M ({r['trainable'] / 1e6:.1f}M) "
             f"| {r['rows']} x {r['tokens']} | {r['micro_batch_tokens']} "
@@ -160,6 +165,9 @@ def grid(args) -> list[dict]:
         specs = [dict(model="360M", **base), dict(model="1.7B", lora=True, **base)]
         return [s for s in specs if not args.shapes or s["model"] in args.shapes]
     micro, steps = args.micro, args.scale_steps
+    if args.grads:  # the recipe's step (64 rows, 256-token micro-batches), alternated
+        base = dict(model="smollm2", rows=64, tokens=64, micro_batch_tokens=256, steps=2)
+        return [dict(base, grad_block=b) for _ in range(2) for b in (True, False)]
     return [
         dict(model="smollm2", rows=r, tokens=t, micro_batch_tokens=micro, steps=steps)
         for r, t in args.geometries
@@ -228,6 +236,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--scale", action="store_true")
     p.add_argument("--fit", action="store_true")
+    p.add_argument("--grads", action="store_true", help="gradients in one block vs per parameter")
     p.add_argument("--fit-rows", type=int, default=8, help="rows of 256 tokens (--fit)")
     p.add_argument("--fit-tokens", type=int, default=256, help="tokens a row (--fit)")
     p.add_argument("--shape", action="append", dest="shapes", help="360M or 1.7B (--fit)")
@@ -261,6 +270,7 @@ def main() -> None:
         lines = table(results)
         last = f"peak_rss_gib_at_largest: {results[-1]['peak_rss_gib']:.2f}"
         title = ": what fits in 24 GiB" if args.fit else ": a SmolLM2-135M train step"
+        title += ", the gradients' layout (two rounds)" if args.grads else ""
     print("\n".join(lines))
     if not args.smoke:
         head = section_head(title)
