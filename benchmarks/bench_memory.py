@@ -10,7 +10,7 @@ PPO-clip loss on full-length rows whose second half is the response.
     python benchmarks/bench_memory.py --scale     # SmolLM2-135M: rows x tokens
     python benchmarks/bench_memory.py --fit       # random SmolLM2-family 360M (full), 1.7B (LoRA)
     python benchmarks/bench_memory.py --grads     # SmolLM2: gradients in one block vs per parameter
-    python benchmarks/bench_memory.py --recipe --baseline DIR [--steps 3]
+    python benchmarks/bench_memory.py --recipe [--baseline DIR] [--steps 3]
         # /usr/bin/time -v nexrl train --config-name smollm2_arithmetic, DIR's tree vs this one
         # (--runs KEEP: the runs' logs and each second's RSS, rss.tsv, are kept there)
 
@@ -217,17 +217,27 @@ def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
 
 def recipe(args) -> tuple[list[str], str]:
     new = recipe_run(ROOT, args.steps, Path(args.out) / "new")
-    old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
+    if not args.baseline:  # this tree alone
+        old = None
+    else:
+        old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
     lines = [
         "| tree | peak RSS (GiB) | peak at (s) | wall (s) | held-out reward by step |",
         "|---|---|---|---|---|",
     ]
-    for name, r in (("before (" + args.baseline + ")", old), ("this tree", new)):
+    runs = (
+        (("before (" + args.baseline + ")", old), ("this tree", new))
+        if old
+        else [("this tree", new)]
+    )
+    for name, r in runs:
         val = ", ".join(f"{s}: {v}" for s, v in r["val"])
         lines.append(
             f"| {name} | {r['peak_rss_gib']:.2f} | {r['peak_at_s']:.0f} | {r['wall_s']:.0f} "
             f"| {val} |"
         )
+    if old is None:
+        return lines, f"recipe_peak_rss_gib: {new['peak_rss_gib']:.3f}"
     return lines, f"recipe_peak_rss_new_vs_old: {new['peak_rss_gib'] / old['peak_rss_gib']:.3f}"
 
 
@@ -255,14 +265,13 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     if args.recipe:
-        if not args.baseline:
-            p.error("--recipe needs --baseline DIR (a checkout of the nexrl to compare)")
         out = results_dir(args)
         with tempfile.TemporaryDirectory() as tmp:
             args.out = args.runs or tmp  # the two runs' folders
             lines, last = recipe(args)
         args.out, args.update_results = out, False
-        title = f": the recipe's peak RSS, {args.steps} steps, before vs this tree"
+        title = f": the recipe's peak RSS, {args.steps} steps"
+        title += ", before vs this tree" if args.baseline else ""
     else:
         geoms = args.geometries or ["16x64", "16x256", "64x64", "64x256", "16x1024"]
         args.geometries = [tuple(int(x) for x in g.split("x")) for g in geoms]

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import random
+import time
 import warnings
 from collections import defaultdict
 from types import SimpleNamespace
@@ -90,6 +91,7 @@ class TorchTrainEngine:
             self.model = apply_lora(self.model, self.config.lora)
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
+        self._release_s = 0.0  # this step's seconds in `_release`
         self._threads = threads_for(self.model, self.config.threads, "train_worker.engine.threads")
         self.optimizer = make_adamw(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -299,11 +301,22 @@ class TorchTrainEngine:
             metrics = {**metrics, **filled}
             if weight:
                 _accumulate(sums, loss, metrics, float(mb["loss_mask"].sum()))
+            if k < len(micro) - 1:
+                self._release()  # this micro-batch's activations, before the next one's
         sums["model_tokens"] = float(self._model_tokens)
         return self._finish_step(sums, totals)
 
     def _releases_memory(self) -> bool:
         return release_wanted(self.config.release_host_memory, self.device.type, self._n_params)
+
+    def _release(self) -> None:
+        """Hand freed host memory back to the OS (after each micro-batch and update where
+        `_releases_memory`; nexrl/host_memory.py: why, and the switch); its seconds are
+        the step's `release_s` metric."""
+        if self._releases_memory():
+            start = time.perf_counter()
+            release_freed_memory()
+            self._release_s += time.perf_counter() - start
 
     def _zero_grads(self) -> None:
         """No gradients, or (one rank, releasing host memory) zeros in one block that the
@@ -333,8 +346,10 @@ class TorchTrainEngine:
         self._step += 1
         if self._releases_memory():
             self.optimizer.zero_grad(set_to_none=True)  # the gradients' block is unmapped
-            release_freed_memory()  # nexrl/host_memory.py: why, and the switch
+        self._release()
         metrics = _reduce_metrics(sums, float(totals[0]), totals.device)
+        if self._releases_memory():
+            metrics["release_s"], self._release_s = self._release_s, 0.0
         metrics.update(
             grad_norm=float(grad_norm),
             lr=float(lr),
