@@ -174,14 +174,14 @@ def grid(args) -> list[dict]:
     ]
 
 
-def recipe_run(tree: Path, steps: int, out: Path) -> dict:
+def recipe_run(tree: Path, steps: int, out: Path, overrides: list[str]) -> dict:
     """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH; the RSS of
     the run is also sampled each second into `out/rss.tsv` (where in the run the peak is)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [
         "/usr/bin/time", "-v", sys.executable, "-m", "nexrl.cli", "train",
         "--config-name", "smollm2_arithmetic", f"output_dir={out}",
-        f"train_worker.total_train_steps={steps}", "weight.validate_freq=3",
+        f"train_worker.total_train_steps={steps}", "weight.validate_freq=3", *overrides,
     ]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -195,20 +195,21 @@ def recipe_run(tree: Path, steps: int, out: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"recipe run in {tree} failed:\n{text[-3000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    vals = re.findall(r"validation at step (\d+): \{'val/reward': ([0-9.]+)", text)
+    vals = re.findall(r"validation at step (\d+): \{[^}]*'val/reward': ([0-9.]+)", text)
     peak_at = max(samples, key=lambda s: s[1])[0] if samples else 0.0
     return {"peak_rss_gib": rss * 1024 / GIB, "wall_s": wall, "val": vals, "peak_at_s": peak_at}
 
 
 def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
-    """(seconds since start, RSS of `proc`'s process tree) each second until it exits."""
+    """(seconds since start, RSS of the largest process under `proc`) each second until
+    it exits (a fork shares its parent's pages: summing them would count those twice)."""
     import psutil
 
     start, samples = time.perf_counter(), []
     while proc.poll() is None:
         try:
-            tree = psutil.Process(proc.pid).children(recursive=True)
-            samples.append((time.perf_counter() - start, sum(p.memory_info().rss for p in tree)))
+            tree = psutil.Process(proc.pid).children(recursive=True)  # the largest, as time -v
+            samples.append((time.perf_counter() - start, max(p.memory_info().rss for p in tree)))
         except psutil.Error:
             pass
         time.sleep(1.0)
@@ -216,11 +217,11 @@ def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
 
 
 def recipe(args) -> tuple[list[str], str]:
-    new = recipe_run(ROOT, args.steps, Path(args.out) / "new")
+    new = recipe_run(ROOT, args.steps, Path(args.out) / "new", args.overrides)
     if not args.baseline:  # this tree alone
         old = None
     else:
-        old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
+        old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old", [])
     lines = [
         "| tree | peak RSS (GiB) | peak at (s) | wall (s) | held-out reward by step |",
         "|---|---|---|---|---|",
@@ -254,6 +255,8 @@ def main() -> None:
     p.add_argument("--recipe", action="store_true")
     p.add_argument("--baseline", help="a checkout of the nexrl to compare (--recipe)")
     p.add_argument("--steps", type=int, default=3, help="recipe train steps (--recipe)")
+    p.add_argument("--override", action="append", dest="overrides", default=[],
+                   help="a config override for this tree's run (--recipe; repeatable)")  # fmt: skip
     p.add_argument("--runs", help="keep the two runs' folders (logs, rss.tsv) here (--recipe)")
     p.add_argument("--micro", type=int, default=8192, help="micro_batch_tokens (--scale)")
     p.add_argument("--geometry", action="append", dest="geometries", default=None,

@@ -301,8 +301,6 @@ class TorchTrainEngine:
             metrics = {**metrics, **filled}
             if weight:
                 _accumulate(sums, loss, metrics, float(mb["loss_mask"].sum()))
-            if k < len(micro) - 1:
-                self._release()  # this micro-batch's activations, before the next one's
         sums["model_tokens"] = float(self._model_tokens)
         return self._finish_step(sums, totals)
 
@@ -310,9 +308,10 @@ class TorchTrainEngine:
         return release_wanted(self.config.release_host_memory, self.device.type, self._n_params)
 
     def _release(self) -> None:
-        """Hand freed host memory back to the OS (after each micro-batch and update where
-        `_releases_memory`; nexrl/host_memory.py: why, and the switch); its seconds are
-        the step's `release_s` metric."""
+        """Hand freed host memory back to the OS (after each update where `_releases_memory`;
+        nexrl/host_memory.py: why, and the switch); its seconds are the step's `release_s`
+        metric. After each micro-batch too it cost SmolLM2's recipe 5-7 s a step (3%) for
+        0.03 GiB less peak RSS: not kept."""
         if self._releases_memory():
             start = time.perf_counter()
             release_freed_memory()

@@ -206,7 +206,7 @@ def test_released_gradients_live_in_one_block_and_give_the_same_update(tiny_mode
             s: e.train_batch(random_batch(4, 9, seed=seed), "ppo_clip", PPO)
             for s, e in engines.items()
         }
-    # the memory went back after each of the 4 micro-batches; the seconds that took
+    # the memory went back after the update; the seconds that took
     assert metrics[True]["release_s"] > 0 and "release_s" not in metrics[False]
     on, off = (dict(engines[s].model.named_parameters()) for s in (True, False))
     assert all(torch.equal(on[k], off[k]) for k in on)
