@@ -166,7 +166,7 @@ def grid(args) -> list[dict]:
         return [s for s in specs if not args.shapes or s["model"] in args.shapes]
     micro, steps = args.micro, args.scale_steps
     if args.grads:  # 256-token micro-batches as in the recipe, alternated; step 2 has AdamW's state
-        base = dict(model="smollm2", rows=32, tokens=64, micro_batch_tokens=256, steps=2)
+        base = dict(model="smollm2", rows=16, tokens=64, micro_batch_tokens=256, steps=2)
         return [dict(base, grad_block=b) for _ in range(2) for b in (True, False)]
     return [
         dict(model="smollm2", rows=r, tokens=t, micro_batch_tokens=micro, steps=steps)
