@@ -9,8 +9,10 @@ PPO-clip loss on full-length rows whose second half is the response.
     python benchmarks/bench_memory.py --smoke     # CI: a tiny model, two geometries, seconds
     python benchmarks/bench_memory.py --scale     # SmolLM2-135M: rows x tokens
     python benchmarks/bench_memory.py --fit       # random SmolLM2-family 360M (full), 1.7B (LoRA)
-    python benchmarks/bench_memory.py --recipe --baseline DIR [--steps 3]
+    python benchmarks/bench_memory.py --grads     # SmolLM2: gradients in one block vs per parameter
+    python benchmarks/bench_memory.py --recipe [--baseline DIR] [--steps 3]
         # /usr/bin/time -v nexrl train --config-name smollm2_arithmetic, DIR's tree vs this one
+        # (--runs KEEP: the runs' logs and each second's RSS, rss.tsv, are kept there)
 
 Last line: `peak_rss_gib_at_largest:` (smoke, scale, fit) or `recipe_peak_rss_new_vs_old:`.
 """
@@ -82,6 +84,8 @@ def child(spec: dict) -> dict:
         engine = TorchTrainEngine(config, "smollm2")
     else:
         engine = TorchTrainEngine(config, spec["model"], model=random_model(spec["model"]))
+    if spec.get("grad_block") is False:  # --grads: per-parameter gradients, as before
+        engine._zero_grads = lambda: engine.optimizer.zero_grad(set_to_none=True)
     built = _rss_now()
     rows, tokens = spec["rows"], spec["tokens"]
     vocab = engine.model.get_input_embeddings().weight.shape[0]
@@ -139,6 +143,8 @@ def table(results: list[dict]) -> list[str]:
     ]
     for r in results:
         lora = " LoRA" if r.get("lora") else ""
+        if "grad_block" in r:
+            lora += ", gradients in one block" if r["grad_block"] else ", per-parameter gradients"
         lines.append(
             f"| {r['model']}{lora} | {r['params'] / 1e6:.0f}M ({r['trainable'] / 1e6:.1f}M) "
             f"| {r['rows']} x {r['tokens']} | {r['micro_batch_tokens']} "
@@ -159,38 +165,80 @@ def grid(args) -> list[dict]:
         specs = [dict(model="360M", **base), dict(model="1.7B", lora=True, **base)]
         return [s for s in specs if not args.shapes or s["model"] in args.shapes]
     micro, steps = args.micro, args.scale_steps
+    if args.grads:  # 256-token micro-batches as in the recipe, alternated; step 2 has AdamW's state
+        base = dict(model="smollm2", rows=16, tokens=64, micro_batch_tokens=256, steps=2)
+        return [dict(base, grad_block=b) for _ in range(2) for b in (True, False)]
     return [
         dict(model="smollm2", rows=r, tokens=t, micro_batch_tokens=micro, steps=steps)
         for r, t in args.geometries
     ]
 
 
-def recipe_run(tree: Path, steps: int, out: Path) -> dict:
-    """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH."""
+def recipe_run(tree: Path, steps: int, out: Path, overrides: list[str]) -> dict:
+    """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH; the RSS of
+    the run is also sampled each second into `out/rss.tsv` (where in the run the peak is)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [
         "/usr/bin/time", "-v", sys.executable, "-m", "nexrl.cli", "train",
         "--config-name", "smollm2_arithmetic", f"output_dir={out}",
-        f"train_worker.total_train_steps={steps}", "weight.validate_freq=3",
+        f"train_worker.total_train_steps={steps}", "weight.validate_freq=3", *overrides,
     ]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-    wall = time.perf_counter() - start
-    text = proc.stdout + proc.stderr
+    with open(out / "log.txt", "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
+        samples = _sample_rss(proc)
+        wall = time.perf_counter() - start
+        log.seek(0)
+        text = log.read()
+    (out / "rss.tsv").write_text("".join(f"{t:.0f}\t{r / GIB:.3f}\n" for t, r in samples))
     if proc.returncode != 0:
         raise RuntimeError(f"recipe run in {tree} failed:\n{text[-3000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    vals = re.findall(r"validation at step (\d+): \{'val/reward': ([0-9.]+)", text)
-    return {"peak_rss_gib": rss * 1024 / GIB, "wall_s": wall, "val": vals}
+    vals = re.findall(r"validation at step (\d+): \{[^}]*'val/reward': ([0-9.]+)", text)
+    peak_at = max(samples, key=lambda s: s[1])[0] if samples else 0.0
+    return {"peak_rss_gib": rss * 1024 / GIB, "wall_s": wall, "val": vals, "peak_at_s": peak_at}
+
+
+def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
+    """(seconds since start, RSS of the largest process under `proc`) each second until
+    it exits (a fork shares its parent's pages: summing them would count those twice)."""
+    import psutil
+
+    start, samples = time.perf_counter(), []
+    while proc.poll() is None:
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)  # the largest, as time -v
+            samples.append((time.perf_counter() - start, max(p.memory_info().rss for p in tree)))
+        except psutil.Error:
+            pass
+        time.sleep(1.0)
+    return samples
 
 
 def recipe(args) -> tuple[list[str], str]:
-    old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old")
-    new = recipe_run(ROOT, args.steps, Path(args.out) / "new")
-    lines = ["| tree | peak RSS (GiB) | wall (s) | held-out reward by step |", "|---|---|---|---|"]
-    for name, r in (("before (" + args.baseline + ")", old), ("this tree", new)):
+    new = recipe_run(ROOT, args.steps, Path(args.out) / "new", args.overrides)
+    if not args.baseline:  # this tree alone
+        old = None
+    else:
+        old = recipe_run(Path(args.baseline).resolve(), args.steps, Path(args.out) / "old", [])
+    lines = [
+        "| tree | peak RSS (GiB) | peak at (s) | wall (s) | held-out reward by step |",
+        "|---|---|---|---|---|",
+    ]
+    runs = (
+        (("before (" + args.baseline + ")", old), ("this tree", new))
+        if old
+        else [("this tree", new)]
+    )
+    for name, r in runs:
         val = ", ".join(f"{s}: {v}" for s, v in r["val"])
-        lines.append(f"| {name} | {r['peak_rss_gib']:.2f} | {r['wall_s']:.0f} | {val} |")
+        lines.append(
+            f"| {name} | {r['peak_rss_gib']:.2f} | {r['peak_at_s']:.0f} | {r['wall_s']:.0f} "
+            f"| {val} |"
+        )
+    if old is None:
+        return lines, f"recipe_peak_rss_gib: {new['peak_rss_gib']:.3f}"
     return lines, f"recipe_peak_rss_new_vs_old: {new['peak_rss_gib'] / old['peak_rss_gib']:.3f}"
 
 
@@ -199,6 +247,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--scale", action="store_true")
     p.add_argument("--fit", action="store_true")
+    p.add_argument("--grads", action="store_true", help="gradients in one block vs per parameter")
     p.add_argument("--fit-rows", type=int, default=8, help="rows of 256 tokens (--fit)")
     p.add_argument("--fit-tokens", type=int, default=256, help="tokens a row (--fit)")
     p.add_argument("--shape", action="append", dest="shapes", help="360M or 1.7B (--fit)")
@@ -206,6 +255,9 @@ def main() -> None:
     p.add_argument("--recipe", action="store_true")
     p.add_argument("--baseline", help="a checkout of the nexrl to compare (--recipe)")
     p.add_argument("--steps", type=int, default=3, help="recipe train steps (--recipe)")
+    p.add_argument("--override", action="append", dest="overrides", default=[],
+                   help="a config override for this tree's run (--recipe; repeatable)")  # fmt: skip
+    p.add_argument("--runs", help="keep the two runs' folders (logs, rss.tsv) here (--recipe)")
     p.add_argument("--micro", type=int, default=8192, help="micro_batch_tokens (--scale)")
     p.add_argument("--geometry", action="append", dest="geometries", default=None,
                    help="ROWSxTOKENS (--scale; repeatable)")  # fmt: skip
@@ -216,14 +268,13 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     if args.recipe:
-        if not args.baseline:
-            p.error("--recipe needs --baseline DIR (a checkout of the nexrl to compare)")
         out = results_dir(args)
         with tempfile.TemporaryDirectory() as tmp:
-            args.out = tmp  # the two runs' folders
+            args.out = args.runs or tmp  # the two runs' folders
             lines, last = recipe(args)
         args.out, args.update_results = out, False
-        title = f": the recipe's peak RSS, {args.steps} steps, before vs this tree"
+        title = f": the recipe's peak RSS, {args.steps} steps"
+        title += ", before vs this tree" if args.baseline else ""
     else:
         geoms = args.geometries or ["16x64", "16x256", "64x64", "64x256", "16x1024"]
         args.geometries = [tuple(int(x) for x in g.split("x")) for g in geoms]
@@ -231,6 +282,7 @@ def main() -> None:
         lines = table(results)
         last = f"peak_rss_gib_at_largest: {results[-1]['peak_rss_gib']:.2f}"
         title = ": what fits in 24 GiB" if args.fit else ": a SmolLM2-135M train step"
+        title += ", the gradients' layout (two rounds)" if args.grads else ""
     print("\n".join(lines))
     if not args.smoke:
         head = section_head(title)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from nexrl.config.derived import groups_per_batch, weights_in_memory
+from nexrl.config.derived import groups_per_batch, train_backend, weights_in_memory
 from nexrl.protocols import (
     DataLoaderLike,
     ModuleLike,
@@ -162,7 +162,16 @@ def build_train_worker(cfg: DictConfig, client: Any = None) -> TrainWorkerLike:
         checkpoint_path=cfg.train_worker.checkpoint_path,
         sync_weight_path=cfg.train_worker.sync_weight_path,
         weights_in_memory=weights_in_memory(cfg),
+        share_weights=shares_weights(cfg),
     )
+
+
+def shares_weights(cfg: DictConfig) -> bool:
+    """The engine takes the trainer's tensors as its weights instead of a copy: a local
+    sync run with the trainer and an in-process engine in this process (no generation
+    runs while the optimizer changes them; weights_in_memory says the engine is here)."""
+    local = cfg.launch_mode == "local" and cfg.weight.sync_mode == "sync"
+    return local and train_backend(cfg) == "builtin" and weights_in_memory(cfg)
 
 
 def inflight_capable(cfg: DictConfig) -> bool:

@@ -63,6 +63,7 @@ SMOKE_LINES = {
     "bench_host.py": "nexrl_host_vs_minimal:",
     "bench_soak.py": "soak_lost_duplicated: 0 0",
     "bench_memory.py": "peak_rss_gib_at_largest:",
+    "bench_trl.py": "nexrl_step_s:",
 }
 
 
@@ -82,6 +83,7 @@ def test_every_benchmark_has_a_smoke_test() -> None:
         "bench_startup.py",
         "bench_host.py",
         "bench_memory.py",
+        "bench_trl.py",  # the tiny model; TRL's side where this Python has trl
     ],
 )
 def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:  # bench_e2e.py: below

@@ -9,7 +9,8 @@ checkpoint); nothing is unpickled.
 In-process hand-off: when the trainer and the engine share a process (local
 mode, in-process backends) the trainer `publish_in_memory`s each export under the
 sync folder's path instead of writing files, and an update naming that path takes
-the published state dict (docs/weight_sync.md).
+the published state dict (docs/weight_sync.md). A `SharedState` goes further: its
+CPU tensors become the engine's parameters (no copy, no second set of weights).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 def _key(path: str | Path) -> str:
     return str(Path(path).resolve())
+
+
+class SharedState(dict):
+    """A state dict whose tensors an engine may take as its own parameters instead of
+    copying them: the trainer's own tensors in a sync run in one process, where no
+    generation runs while the optimizer changes them. Only contiguous CPU tensors of the
+    engine's dtype are taken (a CUDA graph reads fixed addresses); others are copied."""
 
 
 def publish_in_memory(path: str | Path, state: dict[str, torch.Tensor]) -> None:
@@ -142,4 +150,21 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, Any]) -> None:
     ]
     if wrong:
         raise ValueError(f"weight update has tensors of the wrong shape: {wrong[:5]}")
-    torch._foreach_copy_([targets[k].detach() for k in state], list(state.values()))
+    if isinstance(state, SharedState):
+        state = _adopt(targets, state)
+    if state:
+        torch._foreach_copy_([targets[k].detach() for k in state], list(state.values()))
+
+
+def _adopt(targets: dict[str, torch.Tensor], state: SharedState) -> dict[str, Any]:
+    """Make the CPU tensors of `state` that match their target the model's own (the
+    engine's copy of them is freed); return what is left to copy."""
+    rest: dict[str, Any] = {}
+    for k, v in state.items():
+        target = targets[k]
+        same = v.dtype == target.dtype and v.device == target.device and v.is_contiguous()
+        if same and v.device.type == "cpu" and isinstance(target, torch.nn.Parameter):
+            target.data = v
+        else:
+            rest[k] = v
+    return rest

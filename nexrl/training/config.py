@@ -70,8 +70,9 @@ class EngineConfig:
     vocabulary). train_batch always computes the loss's positions only."""
     release_host_memory: bool | None = None
     """After each update on a CPU, hand the memory the step freed back to the OS (glibc's
-    malloc_trim; nexrl/host_memory.py). None (auto): on for models of 50M parameters or
-    more (SmolLM2's recipe grew by 2-3 GB in three steps without it). Never on a GPU."""
+    malloc_trim; nexrl/host_memory.py), and (one rank) keep a step's gradients in one
+    block, freed after the update. None (auto): on for models of 50M parameters or more
+    (SmolLM2's recipe grew by 2-3 GB in three steps without it). Never on a GPU."""
     shared_prefix: bool | None = None
     """Run each distinct prompt once per micro-batch and share its key/value cache among
     the rows that start with it (a GRPO group), then run only the responses: same loss and

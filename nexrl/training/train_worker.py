@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
-from nexrl.inference.weights import forget_in_memory, publish_in_memory, state_to_arrays
+from nexrl.inference.weights import (
+    SharedState,
+    forget_in_memory,
+    publish_in_memory,
+    state_to_arrays,
+)
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
 from nexrl.monitoring.ledger import checkpoint_ledger
 from nexrl.monitoring.samples import with_staleness
@@ -126,6 +131,7 @@ class TrainWorker(LoopModule):
         checkpoint_path: str,
         sync_weight_path: str,
         weights_in_memory: bool = False,
+        share_weights: bool = False,
     ) -> None:
         super().__init__()
         self._config = config
@@ -140,6 +146,9 @@ class TrainWorker(LoopModule):
         self._checkpoint_path = Path(checkpoint_path)
         self._sync_weight_path = sync_weight_path
         self._weights_in_memory = weights_in_memory
+        # the engine takes the trainer's tensors as its weights (a sync run, trainer and
+        # engine in this process: no generation while the optimizer changes them)
+        self._share_weights = share_weights and weights_in_memory
         self._model_tag = DEFAULT_MODEL_TAG
         self._step = 0
         self._last_step_end: float | None = None
@@ -321,7 +330,10 @@ class TrainWorker(LoopModule):
             # the trainer's own tensors, no copy: every push in this process copies them
             # into the engine before `train_worker_notify_weight_update` returns, so before
             # the next optimizer step changes them (one copy of the weights less)
-            publish_in_memory(self._sync_weight_path, self._client.export_weights(None, False))
+            state = self._client.export_weights(None, False)
+            publish_in_memory(
+                self._sync_weight_path, SharedState(state) if self._share_weights else state
+            )
         return self._sync_weight_path
 
     # -- checkpoints ---------------------------------------------------------------

@@ -32,6 +32,11 @@ def test_pushed_weights_are_the_trained_ones(async_config, transport, mode):
     controller = NexRLController(async_config(*overrides))
     controller.run()
     _check_engine_serves_trained_weights(controller)
+    trained = controller.system.train_workers[0]._client._engine.model.state_dict()
+    served = controller.system.weight_sync_controller._llm_client._engine.model.state_dict()
+    shared = [served[k].data_ptr() == t.data_ptr() for k, t in trained.items()]
+    # a sync run in one process: the engine's weights are the trainer's (no second copy)
+    assert all(shared) if mode == "sync" and transport != "file" else not any(shared)
     folder = Path(controller.system.train_workers[0]._sync_weight_path)
     written = sorted(folder.glob("*.safetensors")) if folder.exists() else []
     assert bool(written) == (transport == "file")  # in one process: no files

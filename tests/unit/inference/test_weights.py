@@ -8,7 +8,12 @@ import re
 import pytest
 import torch
 
-from nexrl.inference.weights import load_weights_into, state_from_arrays, state_to_arrays
+from nexrl.inference.weights import (
+    SharedState,
+    load_weights_into,
+    state_from_arrays,
+    state_to_arrays,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -36,6 +41,25 @@ def test_new_weights_are_copied_into_the_parameters_in_place():
     state["0.weight"] = torch.randn(3, 8)[:, ::2]  # a strided view, as a slice gives
     load_weights_into(model, state)
     assert model[0].weight is param  # views an engine holds on it stay valid
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+
+
+def test_a_shared_state_becomes_the_parameters_where_it_can():
+    """`SharedState` (a sync run's trainer tensors): contiguous CPU tensors of the model's
+    dtype become its parameters (no copy); the rest is copied as before."""
+    model = _model()
+    param = model[0].weight
+    state = SharedState({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+    state["0.bias"] = state["0.bias"].bfloat16()  # another dtype: copied
+    state["1.weight"] = torch.randn(6)[::2]  # not contiguous: copied
+    load_weights_into(model, state)
+    assert model[0].weight is param and param.data_ptr() == state["0.weight"].data_ptr()
+    assert model[1].bias.data_ptr() == state["1.bias"].data_ptr()
+    assert model.scale.data_ptr() != state["scale"].data_ptr()  # a buffer: copied
+    for name in ("0.bias", "1.weight"):
+        assert model.state_dict()[name].data_ptr() != state[name].data_ptr(), name
+    state["0.weight"].add_(1.0)  # the owner's later change is what the model sees
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name].to(tensor.dtype)), name
 

@@ -1,0 +1,205 @@
+"""nexrl against TRL's `GRPOTrainer` on the SmolLM2 recipe's work, in one script run.
+
+Both sides: SmolLM2-135M-Instruct in fp32 on the CPU, the recipe's times-table train file
+(chat prompts), its reward (`math`: the last number of the reply), 8 prompts x 8 samples
+a step, 16 new tokens at temperature 1, lr 1e-5 constant, PPO clip 0.2 / 0.28,
+token-mean loss, no KL, one update per batch. Each side runs `--steps` steps as a fresh
+process; reported: seconds per step (median of the steps after the first) and the wall
+clock of the whole run, start-up included. nexrl runs `nexrl train --config-name
+smollm2_arithmetic` (validation off); TRL runs in the Python given by `--trl-python`
+(a venv with `trl` and this tree importable), since TRL pins its own transformers.
+
+    python benchmarks/bench_trl.py --smoke    # CI: tiny model, 2 steps; TRL only if importable
+    python benchmarks/bench_trl.py --trl-python /work/venvs/trl/bin/python --steps 4 \\
+        --update-results
+
+Last lines: `nexrl_step_s: X` (nexrl's best mode), then with TRL `nexrl_vs_trl_step_s: X`
+(nexrl's best mode / TRL, seconds per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _machine import add_out_arguments, describe, prepend_section, results_dir, section_head
+
+ROOT = Path(__file__).resolve().parents[1]
+TITLE = "# nexrl vs TRL GRPOTrainer (benchmarks/bench_trl.py)"
+MODES = {
+    "sync": [],
+    "fully-async": ["weight.sync_mode=fully-async", "weight.staleness_threshold=1"],
+}
+FULL = {"prompts": 8, "group": 8, "tokens": 16}
+SMOKE = {"prompts": 2, "group": 4, "tokens": 4}
+
+
+def nexrl_side(model: str, mode: str, work: dict, steps: int, out: Path) -> dict:
+    """`nexrl train` of the recipe for `steps` steps; its per-step seconds from the metrics."""
+    prompts, group = work["prompts"], work["group"]
+    cmd = [
+        sys.executable, "-m", "nexrl.cli", "train", "--config-name", "smollm2_arithmetic",
+        f"output_dir={out}", f"model_path={model}", f"train_worker.total_train_steps={steps}",
+        "train_worker.save_freq=0", "validate.validate_before_train=false",
+        "weight.validate_freq=0", "logger.backend=[jsonl]",
+        f"rollout_worker.num_workers={prompts}", f"rollout_worker.group_size={group}",
+        f"trajectory_pool.batch_size={prompts * group}",
+        f"rollout_worker.max_tokens={work['tokens']}",
+        *MODES[mode],
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"nexrl {mode} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    rows = [json.loads(line) for f in out.rglob("metrics.jsonl") for line in f.open()]
+    step_s = [
+        r["timing/step_s"] for r in sorted(rows, key=lambda r: r["step"]) if "timing/step_s" in r
+    ]
+    if len(step_s) != steps:
+        raise RuntimeError(f"nexrl {mode}: {len(step_s)} steps logged, {steps} expected")
+    return {"side": f"nexrl {mode}", "step_s": step_s, "wall_s": wall}
+
+
+def trl_side(python: str, model: str, work: dict, steps: int, train_file: Path) -> dict:
+    """TRL's GRPOTrainer in `python` (`--trl-child`), timed by a callback at each step end."""
+    spec = {"model": model, "steps": steps, "train_file": str(train_file), **work}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [python, __file__, "--trl-child", json.dumps(spec)],
+        capture_output=True, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "side": f"TRL {result['version']} GRPOTrainer",
+        "step_s": result["step_s"],
+        "wall_s": wall,
+    }
+
+
+def trl_child(spec: dict) -> dict:
+    """Runs in TRL's environment: the recipe's work through `GRPOTrainer`."""
+    import datasets
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from nexrl.rewards.math import math_reward
+
+    def reward(completions: list, answer: list, **_: object) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [math_reward("", t, a)["reward"] for t, a in zip(texts, answer, strict=True)]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.last, self.times = time.perf_counter(), []
+
+        def on_step_end(self, *args: object, **kwargs: object) -> None:
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now
+
+    rows = datasets.load_dataset("json", data_files=spec["train_file"], split="train")
+    config = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, max_steps=spec["steps"], seed=0,
+        per_device_train_batch_size=spec["prompts"] * spec["group"],
+        num_generations=spec["group"], max_completion_length=spec["tokens"],
+        temperature=1.0, learning_rate=1e-5, lr_scheduler_type="constant",
+        epsilon=0.2, epsilon_high=0.28, beta=0.0, loss_type="dapo", max_grad_norm=1.0,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # the tiny one adds types
+    timer = StepTimes()
+    trainer = trl.GRPOTrainer(
+        model=spec["model"], reward_funcs=reward, args=config, train_dataset=rows,
+        processing_class=tokenizer, callbacks=[timer],
+    )  # fmt: skip
+    timer.last = time.perf_counter()
+    trainer.train()
+    return {"version": trl.__version__, "step_s": timer.times}
+
+
+def trl_available(python: str) -> bool:
+    proc = subprocess.run([python, "-c", "import trl"], capture_output=True, env=os.environ)
+    return proc.returncode == 0
+
+
+def median_step(r: dict) -> float:
+    return statistics.median(r["step_s"][1:] or r["step_s"])
+
+
+def table(results: list[dict], trl: dict | None) -> list[str]:
+    lines = [
+        "| side | s/step (median after the first) | first step (s) | wall, start-up included (s) "
+        "| vs TRL s/step | vs TRL wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = f"{median_step(r) / median_step(trl):.2f}x" if trl else "-"
+        wall = f"{r['wall_s'] / trl['wall_s']:.2f}x" if trl else "-"
+        lines.append(
+            f"| {r['side']} | {median_step(r):.2f} | {r['step_s'][0]:.2f} | {r['wall_s']:.0f} "
+            f"| {ratio} | {wall} |"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                   help="nexrl's modes (default: both; --smoke: sync)")  # fmt: skip
+    p.add_argument("--trl-python", default=sys.executable, help="a Python with trl installed")
+    p.add_argument("--trl-child", help=argparse.SUPPRESS)
+    add_out_arguments(p)
+    args = p.parse_args()
+    if args.trl_child:
+        print(json.dumps(trl_child(json.loads(args.trl_child))))
+        return
+    sys.path.insert(0, str(ROOT))
+    from nexrl.data.tasks import write_task
+    from nexrl.models.sources import smollm2_dir
+    from nexrl.models.tiny import cache_dir, default_model_path
+
+    work, steps = (SMOKE, 2) if args.smoke else (FULL, args.steps)
+    modes = args.modes or (["sync"] if args.smoke else list(MODES))
+    model = str(default_model_path() if args.smoke else smollm2_dir())
+    train_file, _ = write_task("times_tables", cache_dir() / "data")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            results.append(nexrl_side(model, mode, work, steps, Path(tmp) / mode))
+    trl = None
+    if trl_available(args.trl_python):
+        trl = trl_side(args.trl_python, model, work, steps, train_file)
+    else:
+        print(f"TRL side skipped: `import trl` fails in {args.trl_python} (see --trl-python)")
+    lines = table([*results, *([trl] if trl else [])], trl)
+    print("\n".join(lines))
+    best = min(results, key=median_step)
+    if not args.smoke:
+        head = section_head(
+            f": {steps} steps, {work['prompts']} x {work['group']} x {work['tokens']}"
+        )
+        prepend_section(results_dir(args) / "trl.md", TITLE, [*head, *lines, ""])
+    print(describe())
+    print(f"nexrl_step_s: {median_step(best):.3f} ({best['side']})")
+    if trl:
+        print(f"nexrl_vs_trl_step_s: {median_step(best) / median_step(trl):.3f}")
+
+
+if __name__ == "__main__":
+    main()
