@@ -17,12 +17,3 @@ def test_generation_benchmark_compares_vllm(smollm2_dir):
         assert re.search(rf"^{server}\s+c=\s*4\s+[\d.]+ tok/s", out, re.M), out
     ratio = float(re.search(r"smoke: vllm_vs_nexrl_at_4: ([\d.]+)", out).group(1))
     assert ratio > 0
-
-
-def test_recipe_steps_run_on_a_managed_vllm_server():
-    """`nexrl train ... backend=vllm` without a url: nexrl starts and stops the server."""
-    out = run_smoke(
-        "bench_generation.py", "--recipe-steps", "1", "--backends", "vllm", timeout=1800
-    )
-    assert re.search(r"^recipe vllm\s+[\d.]+ s/step .* val 0:[\d.]+ 1:[\d.]+$", out, re.M), out
-    assert "smoke: recipe_steps_done: 1" in out
