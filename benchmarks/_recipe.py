@@ -95,8 +95,15 @@ def run_backend(recipe: str | None, backend: str, steps: int, root: Path, smoke:
         for m in metrics
         if "train/behavior_old_logprob_absdiff" in m
     ]
+
+    def mean(key: str) -> float:
+        return statistics.mean([m[key] for m in metrics if key in m] or [0.0])
+
     return {
         "backend": backend,
+        "wait_s": mean("timing/wait_s"),  # for a batch of rollouts
+        "update_s": mean("timing/update_s"),  # the trainer's update
+        "push_s": mean("timing/export_s") + mean("timing/push_s"),
         "steps": len(step_s),
         "val": val,
         "step_s": step_s,
@@ -118,7 +125,8 @@ def row(r: dict[str, Any]) -> str:
     steps = " ".join(f"{s:.0f}" for s in r["step_s"])
     gap = max(r["logprob_absdiff"], default=0.0)
     return (
-        f"| {r['backend']} | {val} | {r['s_per_step']:.1f} ({steps}) | {r['wall_s']:.0f} "
+        f"| {r['backend']} | {val} | {r['s_per_step']:.1f} ({steps}) "
+        f"| {r['wait_s']:.1f} / {r['update_s']:.1f} | {r['wall_s']:.0f} "
         f"| {r['peak_tree_rss_gib']:.2f} | {gap:.1e} |"
     )
 
@@ -132,9 +140,9 @@ def write(out: Path, rows: list[dict], meta: dict[str, Any]) -> None:
         *section_head(f", {meta['recipe']}, {meta['steps']} steps per backend"),
         f"Load average before / after: {meta['load_before']} / {meta['load_after']}.",
         "",
-        "| backend | held-out accuracy by step | s/step mean (each step) | wall s "
-        "| peak RSS GiB (process tree) | max logprob gap |",
-        "|---|---|---|---|---|---|",
+        "| backend | held-out accuracy by step | s/step mean (each step) "
+        "| wait / update s a step | wall s | peak RSS GiB (process tree) | max logprob gap |",
+        "|---|---|---|---|---|---|---|",
         *map(row, rows),
         "",
         f"Largest single process's peak RSS (`ru_maxrss`): {meta['max_child_rss_gib']:.2f} GiB.",
