@@ -21,6 +21,7 @@ vs the same 64 requests in-process. Ratios compare numbers measured in the same 
     python benchmarks/bench_generation.py --smollm2 --threads 2 --dtype bfloat16   # both in bf16
     python benchmarks/bench_generation.py --smollm2 --dtype bfloat16 --chat --device cuda  # GPU
     python benchmarks/bench_generation.py --vllm [--smoke]   # + vLLM: tokens/s, TTFT (_serving.py)
+    python benchmarks/bench_generation.py --recipe-steps 6 [--smoke]   # s/step per backend
 
 With `--dtype bfloat16` both sides run in bf16 (fast only where the CPU multiplies bf16
 natively: avx512_bf16 / AMX, named on the results' machine line), and HF generate in
@@ -346,6 +347,9 @@ def parser() -> argparse.ArgumentParser:
         "--device", default="cpu", help="with --smollm2: where both sides run (cpu, cuda)"
     )
     ap.add_argument("--vllm", action="store_true", help="SmolLM2 chats: nexrl, vLLM, HF")
+    ap.add_argument("--recipe-steps", type=int, default=0, help="N steps of --recipe per backend")
+    ap.add_argument("--recipe", default="smollm2_arithmetic", help="with --recipe-steps")
+    ap.add_argument("--backends", default="builtin,vllm", help="with --recipe-steps")
     return ap
 
 
@@ -354,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device != "cpu" and not args.smollm2:
         ap.error("--device is for --smollm2 (the default runs compare CPU paths and HTTP)")
+    if args.recipe_steps:  # seconds per step of a recipe on each backend (_recipe.py)
+        from _recipe import recipe_run
+
+        backends = args.backends.split(",")
+        return recipe_run(args.recipe, args.recipe_steps, backends, results_dir(args), args.smoke)
     if args.vllm:
         from _serving import vllm_run
 

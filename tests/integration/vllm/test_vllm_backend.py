@@ -148,5 +148,5 @@ def test_a_push_under_paused_requests_lets_them_finish_on_new_weights(
 
 
 def test_engine_options_are_checked():
-    with pytest.raises(ValueError, match="engine.threads: not an option of backend vllm"):
-        LLMServiceClient({"backend": "vllm", "url": "http://127.0.0.1:9", "threads": 2})
+    with pytest.raises(ValueError, match="engine.kv_heads: not an option of backend vllm"):
+        LLMServiceClient({"backend": "vllm", "url": "http://127.0.0.1:9", "kv_heads": 2})

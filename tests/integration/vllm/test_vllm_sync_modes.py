@@ -23,13 +23,13 @@ VLLM_MODES = {
 }
 
 
-def run(tmp_path, vllm_config, *extra: str) -> NexRLController:
+def run(tmp_path, vllm_config, *extra: str, max_tokens: int = 8) -> NexRLController:
     cfg = load_config(
         [
             f"output_dir={tmp_path / 'out'}",
             f"model_path={vllm_config['model']}",
             "rollout_worker.group_size=4",
-            "rollout_worker.max_tokens=8",
+            f"rollout_worker.max_tokens={max_tokens}",
             "rollout_worker.num_workers=3",
             "trajectory_pool.batch_size=8",
             "train_worker.total_train_steps=4",
@@ -55,3 +55,25 @@ def test_each_sync_mode_runs_on_vllm(tmp_path, vllm_config, mode):
     assert lines[-1]["rollout/serving_version"] >= 3  # every push reached the server
     client = controller.system.weight_sync_controller._llm_client
     assert client.version == 4  # read back from vLLM (/weight_info)
+
+
+def test_a_push_aborts_running_requests_and_they_continue_on_the_new_weights(tmp_path, vllm_config):
+    """Partial rollout with in-flight updates off: every push aborts the requests vLLM is
+    running (no grace; 128-token samples outlast a tiny-model step, so pushes meet them),
+    each aborted sample goes on from its prompt and tokens on the new weights, and the
+    trained sample records both versions."""
+    extra = [*MODES["fully-async-partial"], "weight.inflight_weight_update=false"]
+    controller = run(tmp_path, vllm_config, *extra, max_tokens=128)
+    check_run(controller, "fully-async")
+    counters = controller.activity_tracker.get_counters()
+    assert counters["rollout/aborted_groups"] > 0 and counters["rollout/partial_continuations"] > 0
+    assert any(x["rollout/multi_version_frac"] > 0 for x in train_lines(controller.run_dir))
+    continued = 0  # each worker client's samples: the aborted ones and their continuations
+    for worker in controller.system.rollout_workers:
+        samples = worker._llm_client.recent_samples()
+        for cut in (s for s in samples if s["finish_reason"] == "abort"):
+            prefix = cut["prompt_ids"] + cut["response_ids"]
+            after = [s for s in samples if s["prompt_ids"] == prefix]
+            continued += len(after)
+            assert all(s["model_version"] > cut["model_version"] for s in after)
+    assert continued > 0
