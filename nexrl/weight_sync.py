@@ -96,6 +96,13 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             return self._versions.get(model_tag, 0)
 
+    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> dict[str, int]:
+        """Seed 000's "a batch is ready" call, kept as an alias for code written against it:
+        the pool reports batches to the task owner (`TaskAdmission.set_formed`), which
+        does the coordination, so this changes nothing and returns that owner's counts
+        for `model_tag` (tasks in flight, held, dropped)."""
+        return execute(self._tasks().snapshot, model_tag)
+
     # -- weights (train worker, controller) ----------------------------------------------
     def train_worker_notify_weight_update(
         self, worker_name: str, model_tag: ModelTag, weights: WeightArrays | None = None

@@ -53,6 +53,11 @@ def test_trajectory_pool_instance_seed_methods():
     assert len(inst) == 2
 
 
+def test_weight_sync_controller_batch_ready_alias_reports_the_admission_state():
+    tasks, wsc, _, _ = make_weight_sync()
+    assert wsc.trajectory_pool_notify_batch_ready("default") == tasks.snapshot("default")
+
+
 def test_get_batch_any_takes_a_batch_from_whichever_tag_has_one():
     pool = TrajectoryPool(TrajectoryPoolConfig(batch_size=2, group_size=1, key_list=[]))
     pool.put_trajectory(traj("a", "policy_b"))
