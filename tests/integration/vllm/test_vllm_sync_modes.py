@@ -61,7 +61,7 @@ def test_a_push_aborts_running_requests_and_they_continue_on_the_new_weights(tmp
     """Partial rollout with in-flight updates off: every push aborts the requests vLLM is
     running (no grace; 128-token samples outlast a tiny-model step, so pushes meet them),
     each aborted sample goes on from its prompt and tokens on the new weights, and the
-    trained sample records both versions."""
+    trained samples record both versions (`rollout/multi_version_frac`)."""
     extra = [*MODES["fully-async-partial"], "weight.inflight_weight_update=false"]
     controller = run(tmp_path, vllm_config, *extra, max_tokens=128)
     check_run(controller, "fully-async")
@@ -75,5 +75,7 @@ def test_a_push_aborts_running_requests_and_they_continue_on_the_new_weights(tmp
             prefix = cut["prompt_ids"] + cut["response_ids"]
             after = [s for s in samples if s["prompt_ids"] == prefix]
             continued += len(after)
-            assert all(s["model_version"] > cut["model_version"] for s in after)
+            # a continuation sent while the push is under way waits for the new weights but
+            # is labelled with the version it was sent on (staleness over-, never under-stated)
+            assert all(s["model_version"] >= cut["model_version"] for s in after)
     assert continued > 0
