@@ -163,9 +163,12 @@ def test_the_weight_pusher_and_the_task_owner_have_one_job_each():
     from nexrl.rollout.admission import TaskAdmission
     from nexrl.weight_sync import WeightSyncController
 
+    # seed 000's name, kept for code written against it (a no-op); not in the Protocol
+    seed_aliases = {"trajectory_pool_notify_batch_ready"}
     own = public_methods(WeightSyncController) - public_methods(NexRLModule)
     protocol = public_methods(WeightSyncLike) - public_methods(NexRLModule)
-    assert len(own) <= 12 and len(protocol) <= 12
+    assert seed_aliases <= own and not seed_aliases & protocol
+    assert len(own - seed_aliases) <= 12 and len(protocol) <= 12
     assert protocol <= own
     for name in protocol:  # same parameters in the Protocol and the class
         expected = inspect.signature(getattr(WeightSyncLike, name)).parameters
