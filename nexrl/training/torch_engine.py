@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import random
 import time
 import warnings
 from collections import defaultdict
@@ -40,6 +38,14 @@ from nexrl.training.microbatch import (
     make_inputs,
     split_by_tokens,
     token_logprobs,
+)
+from nexrl.training.model_parts import (
+    can_chunk,
+    checkpointing_on,
+    pick_device,
+    seed_everything,
+    unwrap,
+    without_head,
 )
 from nexrl.training.optim import grads_in_one_block, make_adamw, make_scheduler
 from nexrl.training.parallel import all_reduce_sum, init_from_env, wrap_model
@@ -79,9 +85,9 @@ class TorchTrainEngine:
         self.config = EngineConfig.from_mapping(config)
         # a local directory even for a Hub id or a GGUF file, so checkpoints copy its tokenizer
         self.model_path = model_path if model is not None else str(resolve_model(model_path))
-        self.device = _pick_device()
+        self.device = pick_device()
         self.rank, self.world_size = init_from_env(self.device)
-        _seed_everything(self.config.seed, self.config.deterministic)
+        seed_everything(self.config.seed, self.config.deterministic)
         self.packing = self.config.packing_enabled()
         if model is None:
             self.model = self._load_model(self.model_path, trainable=True)
@@ -170,11 +176,11 @@ class TorchTrainEngine:
             if dtype is not None
             else contextlib.nullcontext()
         )
-        hf_model = _unwrap(module)
+        hf_model = unwrap(module)
         plan = self._shared_prefix_plan(hf_model, mb, select)
         if plan is not None:
             self._model_tokens += plan.model_tokens
-            with autocast, _without_head(hf_model) as head:
+            with autocast, without_head(hf_model) as head:
                 return shared_prefix_logprobs(
                     module,
                     head,
@@ -185,8 +191,8 @@ class TorchTrainEngine:
                     dense_masks=dense_masks_apply(hf_model),
                 )
         self._model_tokens += tokens
-        chunked = self.config.logprob_chunk_tokens > 0 and _can_chunk(hf_model, self.config)
-        with autocast, _without_head(hf_model) if chunked else contextlib.nullcontext() as head:
+        chunked = self.config.logprob_chunk_tokens > 0 and can_chunk(hf_model, self.config)
+        with autocast, without_head(hf_model) if chunked else contextlib.nullcontext() as head:
             mask = inputs.attention_mask
             if mask is not None:  # padded, not packed
                 mask = model_attention_mask(mask, mask.shape[1], dense_masks_apply(hf_model))
@@ -236,9 +242,9 @@ class TorchTrainEngine:
         reason = None
         if self.world_size > 1 or self.packing:
             reason = "it needs one rank and padded (not packed) micro-batches"
-        elif not _can_chunk(hf_model, self.config) or not supports_prefix_cache(hf_model):
+        elif not can_chunk(hf_model, self.config) or not supports_prefix_cache(hf_model):
             reason = "the model needs a plain linear head and a full-attention KV cache"
-        elif hf_model.training and _checkpointing(hf_model):
+        elif hf_model.training and checkpointing_on(hf_model):
             reason = "gradient checkpointing disables the KV cache in training"
         if reason and not self._warned_shared_prefix:
             self._warned_shared_prefix = True
@@ -424,46 +430,6 @@ class TorchTrainEngine:
         return model
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside a DDP / peft wrapper."""
-    inner = getattr(module, "module", module)  # DDP
-    get_base = getattr(inner, "get_base_model", None)  # peft
-    return get_base() if get_base is not None else inner
-
-
-def _can_chunk(model: torch.nn.Module, config: EngineConfig) -> bool:
-    """Chunking needs a plain linear head and whole (unsharded) head weights."""
-    head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    sharded = config.dp_strategy == "fsdp2" and _world_size() > 1
-    return isinstance(head, torch.nn.Linear) and head.bias is None and not softcap and not sharded
-
-
-def _checkpointing(model: torch.nn.Module) -> bool:
-    """Whether activation checkpointing is on (transformers 5 renamed the flag)."""
-    name = "is_activation_checkpointing"
-    name = name if hasattr(type(model), name) else "is_gradient_checkpointing"
-    return bool(getattr(model, name, False))
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-@contextlib.contextmanager
-def _without_head(model: torch.nn.Module):
-    """Run `model` with an identity output layer (its "logits" are the final hidden states);
-    yields the head's weight for `chunked_token_logprobs`."""
-    head = model.get_output_embeddings()
-    model.set_output_embeddings(torch.nn.Identity())
-    try:
-        yield head.weight
-    finally:
-        model.set_output_embeddings(head)
-
-
 def _tensors(batch: Batch, required: tuple[str, ...], device: torch.device):
     """Tensor values of `batch` on `device`, checking required keys and (B, T) shapes."""
     values = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
@@ -531,12 +497,6 @@ def _all_reduce_max(n: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def _pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def autocast_for(name: str, device: torch.device, flops: float) -> torch.dtype | None:
     """The autocast dtype of a micro-batch of `flops` forward + backward arithmetic under
     `EngineConfig.dtype` `name` (None: float32). "auto" is bfloat16 on a GPU from
@@ -544,11 +504,3 @@ def autocast_for(name: str, device: torch.device, flops: float) -> torch.dtype |
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" and flops >= GPU_AUTOCAST_FLOPS else None
     return None if name == "float32" else getattr(torch, name)
-
-
-def _seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
