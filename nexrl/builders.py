@@ -114,7 +114,7 @@ def build_algorithm_processor(cfg: DictConfig) -> ProcessorLike:
 
     config = section(cfg.algorithm)
     cls = PROCESSORS.get(config.type)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # type: ignore[no-untyped-call]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # type: ignore[no-untyped-call, unused-ignore]
     pad_id = tokenizer.pad_token_id or 0
     from nexrl.data.tasks import is_builtin_data, warn_own_data_defaults
 
