@@ -90,6 +90,9 @@ def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:  # bench_e2e.py: 
     before = {p: p.stat().st_mtime for p in (BENCH / "results").glob("*")}
     out = run_smoke(script, "--out", str(tmp_path))
     assert SMOKE_LINES[script] in out
+    if script == "bench_trl.py":  # held-out accuracy before training and after each step
+        row = next(line for line in out.splitlines() if line.startswith("| nexrl sync |"))
+        assert len(row.split("|")[5].split()) == 3, row
     after = {p: p.stat().st_mtime for p in (BENCH / "results").glob("*")}
     assert after == before, "smoke mode must not touch benchmarks/results"
 
