@@ -31,12 +31,28 @@ import operator
 from collections.abc import ItemsView, KeysView
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeAlias, TypedDict
 
 import torch
 
 ModelTag = str
 Trajectory = dict[str, Any]
+
+JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
+"""A value that survives `json.dumps` / `json.loads` unchanged (request bodies, rows read
+from JSON files, tool arguments)."""
+JSONDict: TypeAlias = "dict[str, JSONValue]"
+
+
+class SampleRow(TypedDict):
+    """One row of the sample-completion table the trackers receive (`SAMPLE_COLUMNS`)."""
+
+    prompt: str
+    response: str
+    reward: float | None
+    version: int | None
+    staleness: int | None
+
 
 DEFAULT_MODEL_TAG: ModelTag = "default"
 
