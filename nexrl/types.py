@@ -108,7 +108,7 @@ class Task:
     tracks about the task lives in the other fields, never inside `data`.
     """
 
-    data: dict[str, Any]
+    data: JSONDict
     task_id: int = -1
     """Unique per run, set when the task is first handed out (-1: not yet)."""
     is_validate: bool = False
@@ -122,24 +122,24 @@ class Task:
     """Served from the tail-batch pool: never aborted again."""
 
     @property
-    def uid(self) -> Any:
+    def uid(self) -> JSONValue:
         return self.data.get("uid")
 
     # Read access to the row, so a `step(task)` written for the row dict (seed 000:
     # `task["prompt"]`, `task.get(...)`, `"prompt" in task`) works on the Task itself.
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> JSONValue:
         return self.data[key]
 
     def __contains__(self, key: object) -> bool:
         return key in self.data
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: JSONValue = None) -> JSONValue:
         return self.data.get(key, default)
 
     def keys(self) -> KeysView[str]:
         return self.data.keys()
 
-    def items(self) -> ItemsView[str, Any]:
+    def items(self) -> ItemsView[str, JSONValue]:
         return self.data.items()
 
 
