@@ -13,11 +13,54 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 TokenCallback = Callable[[int, int, float, int], None]
 """Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
 called from the engine's scheduler thread (keep it cheap; hand the token to another thread)."""
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """The OpenAI-named sampling options `LLMServiceClient.completion` / `generate` take."""
+
+    max_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    n: int
+    seed: int | None
+    ignore_eos: bool
+    rid: str | None
+    cache_output: bool
+
+
+class SampleResult(TypedDict, total=False):
+    """One sample of a client result (`result["choices"][i]`)."""
+
+    response: str
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str | None
+    token_versions: list[int]
+    retokenized: bool
+    """A remote server sent no token ids: `response_ids` re-encode the text."""
+    content: str | None
+    tool_calls: list[dict[str, object]]
+    parse_failures: list[str]
+
+
+class CompletionResult(SampleResult, total=False):
+    """What `LLMServiceClient.completion` / `generate` answer: the first sample's fields at
+    the top level, every sample in `choices`."""
+
+    prompt: str | None
+    prompt_ids: list[int]
+    model_version: int
+    choices: list[SampleResult]
+    messages: list[dict[str, object]]
 
 
 @dataclass
