@@ -31,9 +31,12 @@ import operator
 from collections.abc import ItemsView, KeysView
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from nexrl.inference.protocol import CompletionResult
 
 ModelTag = str
 Trajectory = dict[str, Any]
@@ -116,7 +119,7 @@ class Task:
     """Failed attempts so far (bounded by `rollout_worker.max_task_retries`)."""
     aborts: int = 0
     """Times a weight push aborted this task's generation."""
-    partial: list[dict[str, Any]] | None = None
+    partial: list[CompletionResult] | None = None
     """Samples kept from an aborted generation (partial rollout), continued next time."""
     tail: bool = False
     """Served from the tail-batch pool: never aborted again."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
+from nexrl.types import JSONDict
+
 TokenCallback = Callable[[int, int, float, int], None]
 """Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
 called from the engine's scheduler thread (keep it cheap; hand the token to another thread)."""
@@ -50,13 +52,17 @@ class SampleResult(TypedDict, total=False):
     content: str | None
     tool_calls: list[dict[str, object]]
     parse_failures: list[str]
+    scores: dict[str, float]
+    """The reward's named components (set by the rollout worker that scored it)."""
+    continuations: int
+    """Requests that continued it after aborts (partial rollout)."""
 
 
 class CompletionResult(SampleResult, total=False):
     """What `LLMServiceClient.completion` / `generate` answer: the first sample's fields at
     the top level, every sample in `choices`."""
 
-    prompt: str | None
+    prompt: str | list[JSONDict] | None
     prompt_ids: list[int]
     model_version: int
     choices: list[SampleResult]

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias, TypedDict, TypeVar
 
+from nexrl.types import JSONValue
+
 RewardFn: TypeAlias = "Callable[..., object]"
 """A reward: `fn(prompt, completion, **row)` (or the seed's shape with token ids), sync or
 async, returning a float, a `RewardDict` or a `RewardResult` (`normalize_result` checks)."""
@@ -112,7 +114,7 @@ class PreparedReward:
 
     def __call__(
         self,
-        prompt: str,
+        prompt: JSONValue,
         completion: str,
         prompt_ids: list[int],
         completion_ids: list[int],
@@ -128,7 +130,7 @@ class PreparedReward:
 
 def call_reward(
     fn: RewardFn,
-    prompt: str,
+    prompt: JSONValue,
     completion: str,
     prompt_ids: list[int],
     completion_ids: list[int],

@@ -57,13 +57,15 @@ from nexrl.rewards.calls import (
     normalize_result,
 )
 from nexrl.rewards.executors import DaemonExecutor, InOrderJob
+from nexrl.types import JSONValue
 
 if TYPE_CHECKING:
     from pebble import ProcessPool
     from typing_extensions import Unpack
 
-RewardArgs: TypeAlias = "tuple[str, str, list[int], list[int], Mapping[str, object]]"
-"""One reward call: (prompt, completion, prompt_ids, completion_ids, row)."""
+RewardArgs: TypeAlias = "tuple[JSONValue, str, list[int], list[int], Mapping[str, object]]"
+"""One reward call: (prompt, completion, prompt_ids, completion_ids, row); the prompt is
+the row's prompt column (text, or chat messages)."""
 Scored: TypeAlias = "tuple[float, dict[str, float]]"
 """(reward, named components), as `normalize_result` returns them."""
 _T = TypeVar("_T")
@@ -101,7 +103,7 @@ class RewardOutcome:
 class RewardCall(NamedTuple):
     """The arguments of one reward call, for `RewardRunner.score_many`."""
 
-    prompt: str
+    prompt: JSONValue
     completion: str
     prompt_ids: list[int] | None = None
     completion_ids: list[int] | None = None
@@ -178,7 +180,7 @@ class RewardRunner:
 
     def score(
         self,
-        prompt: str,
+        prompt: JSONValue,
         completion: str,
         prompt_ids: list[int] | None = None,
         completion_ids: list[int] | None = None,
@@ -247,7 +249,7 @@ class RewardRunner:
 
     async def ascore(
         self,
-        prompt: str,
+        prompt: JSONValue,
         completion: str,
         prompt_ids: list[int] | None = None,
         completion_ids: list[int] | None = None,
