@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 
 from nexrl.algorithms.processor import collate
-from nexrl.rollout.workflow import EpisodeResult, RolloutWorkflow, as_trajectories
+from nexrl.rollout.workflow import EpisodeResult, RolloutWorkflow, Row, as_trajectories
 from nexrl.types import Trajectory
 
 __all__ = ["DistributedBatch", "RolloutWorkflow", "as_nexrl_workflow", "to_trajectories"]
@@ -112,7 +112,7 @@ class _SeedWorkflow(RolloutWorkflow):
     def __init__(self, workflow: Any, engine: Any) -> None:
         self.workflow, self.engine = workflow, engine
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> EpisodeResult:
+    async def arun_episode(self, engine: object, data: Row) -> EpisodeResult:
         result = await self.workflow.arun_episode(self.engine, data)
         return cast(EpisodeResult, to_trajectories(result, getattr(self.engine, "tokenizer", None)))
 
