@@ -69,12 +69,12 @@ def to_trajectories(result: Any, tokenizer: Any = None) -> list[Trajectory] | No
     return as_trajectories(result, tokenizer)
 
 
-def _rows(value: Any) -> torch.Tensor:
+def _rows(value: object) -> torch.Tensor:
     t = torch.as_tensor(value)
     return t.unsqueeze(0) if t.dim() == 1 else t
 
 
-def _from_tensors(out: Mapping[str, Any]) -> list[Trajectory]:
+def _from_tensors(out: Mapping[str, object]) -> list[Trajectory]:
     missing = [k for k in ("input_ids", "loss_mask") if k not in out]
     if missing:
         raise KeyError(f"arun_episode's tensor dict lacks {missing}; it has {sorted(out)}")
@@ -126,7 +126,7 @@ def as_nexrl_workflow(workflow: Any, engine: Any) -> RolloutWorkflow:
 
 
 def accept_fn(
-    should_accept: Callable[[DistributedBatch], Any] | None, pad_token_id: int
+    should_accept: Callable[[DistributedBatch], object] | None, pad_token_id: int
 ) -> Callable[[list[Trajectory]], bool] | None:
     """The seed's `should_accept(x)` (x: the episode's tensors) for the executor, which
     hands over the episode's trajectories."""
