@@ -35,12 +35,16 @@ if TYPE_CHECKING:
     from nexrl.inference.client import LLMServiceClient
     from nexrl.training.config import EngineConfig
 
-ROLLOUT_WORKERS = Registry("rollout worker", "rollout_worker.type")
+ROLLOUT_WORKERS: Registry[Callable[..., RolloutWorkerLike]] = Registry(
+    "rollout worker", "rollout_worker.type"
+)
 ROLLOUT_WORKERS.add("single_turn", "nexrl.rollout.workers:SingleTurnRolloutWorker")
 ROLLOUT_WORKERS.add("simple", "nexrl.rollout.workers:SimpleRolloutWorker")
 ROLLOUT_WORKERS.add("agent", "nexrl.rollout.agent:AgentRolloutWorker")
 
-PROCESSORS = Registry("algorithm processor", "algorithm.type")
+PROCESSORS: Registry[Callable[..., ProcessorLike]] = Registry(
+    "algorithm processor", "algorithm.type"
+)
 PROCESSORS.add("grpo", "nexrl.algorithms.processor:GRPOProcessor")
 
 

@@ -18,13 +18,16 @@ The reference is the initial policy unless told otherwise (as in verl and TRL):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nexrl.algorithms.registry import Registry
 
-KL_ESTIMATORS = Registry("KL estimator")
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry(
+    "KL estimator"
+)
 
 # exp(20) ~ 5e8: far beyond any useful KL, and far from float32 overflow.
 _MAX_LOG_RATIO = 20.0

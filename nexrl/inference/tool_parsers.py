@@ -172,7 +172,9 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParseResult: ...
 
 
-PARSERS = Registry("tool-call parser", "service.inference_service.tool_call_parser")
+PARSERS: Registry[Callable[[], ToolCallParser]] = Registry(
+    "tool-call parser", "service.inference_service.tool_call_parser"
+)
 """name -> parser class (called with no argument); `PARSERS.add("mine", MyParser)` makes
 `tool_call_parser: mine` and `nexrl serve --tool-call-parser mine` pick it."""
 PARSERS.add("hermes", HermesParser)

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -350,7 +350,7 @@ class MlflowBackend:
         self._client.set_terminated(self.run_id)
 
 
-LOGGER_BACKENDS = Registry("backend", "logger.backend")
+LOGGER_BACKENDS: Registry[Callable[..., LoggerBackend]] = Registry("backend", "logger.backend")
 """name -> backend class, called with the logger's keyword arguments (`run_dir`,
 `project_name`, `experiment_name`, `config`, ...; take `**kwargs`);
 `LOGGER_BACKENDS.add("mine", MyBackend)` makes `logger.backend=[jsonl,mine]` pick it."""
