@@ -168,18 +168,18 @@ class RecordingProxy:
         app = FastAPI(title="nexrl recording proxy")
 
         @app.post("/sessions/{sid}/v1/chat/completions")
-        async def chat(sid: str, body: ChatRequest) -> dict[str, Any]:
+        async def chat(sid: str, body: ChatRequest) -> dict[str, object]:
             if body.stream:
                 raise HTTPException(400, "stream: the recording proxy answers whole replies")
             return await self._chat(sid, body)
 
         @app.post("/sessions/{sid}/reward")
-        async def reward(sid: str, body: RewardBody) -> dict[str, Any]:
+        async def reward(sid: str, body: RewardBody) -> dict[str, object]:
             self.set_reward(sid, body.reward)
             return {"session": sid, "reward": body.reward}
 
         @app.get("/sessions/{sid}/v1/models")
-        async def models(sid: str) -> dict[str, Any]:
+        async def models(sid: str) -> dict[str, object]:
             return {"object": "list", "data": [{"id": "policy", "object": "model"}]}
 
         return app
