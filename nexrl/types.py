@@ -47,6 +47,14 @@ from JSON files, tool arguments)."""
 JSONDict: TypeAlias = "dict[str, JSONValue]"
 
 
+class PendingTasks(TypedDict):
+    """`TaskAdmission.checkpoint_state`: the loader's own state and the handed-out tasks
+    not trained yet (`nexrl.data.base.item_to_state`), saved with a checkpoint."""
+
+    dataloader: JSONDict | None
+    pending_tasks: list[JSONDict]
+
+
 class SampleRow(TypedDict):
     """One row of the sample-completion table the trackers receive (`SAMPLE_COLUMNS`)."""
 

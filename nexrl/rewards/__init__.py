@@ -18,7 +18,6 @@ Around the functions (docs/rewards.md):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from nexrl.registry import Registry
 from nexrl.rewards.calls import inline_reward
@@ -27,7 +26,7 @@ RewardFn = Callable[..., float]
 
 
 @inline_reward
-def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> float:
+def shift_letters(prompt: str, completion: str, answer: str, **row: object) -> float:
     """Per-position partial credit for the shift-letters task.
 
     score = #(i: completion[i] == answer[i]) / max(len(answer), len(completion)),
@@ -43,7 +42,7 @@ def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> floa
 
 
 @inline_reward
-def exact_match(prompt: str, completion: str, answer: str, **row: Any) -> float:
+def exact_match(prompt: str, completion: str, answer: str, **row: object) -> float:
     """1.0 if the stripped completion equals the stripped answer, else 0.0."""
     return float(completion.strip() == str(answer).strip())
 
