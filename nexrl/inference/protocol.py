@@ -12,6 +12,7 @@ HTTP (nexrl's server, vLLM, SGLang). Both satisfy `InferenceEngine`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
@@ -20,6 +21,22 @@ from nexrl.types import JSONDict
 TokenCallback = Callable[[int, int, float, int], None]
 """Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
 called from the engine's scheduler thread (keep it cheap; hand the token to another thread)."""
+
+
+class Decoder(Protocol):
+    """What detokenizing code uses of a tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class StreamingEngine(Protocol):
+    """An engine that streams tokens (`Engine`, `ProcessEngine`): the OpenAI server's."""
+
+    def submit(
+        self, request: GenerationRequest, on_token: TokenCallback | None = None
+    ) -> Future[GenerationResponse]: ...
+
+    def abort(self, rid: str | None = None) -> None: ...
 
 
 class SamplingKwargs(TypedDict, total=False):

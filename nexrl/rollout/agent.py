@@ -40,6 +40,7 @@ from nexrl.aio import EventLoopThread
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.inference.protocol import (
+    Decoder,
     GenerationOutput,
     GenerationRequest,
     GenerationResponse,
@@ -50,7 +51,6 @@ from nexrl.inference.protocol import (
 )
 from nexrl.registry import import_object
 from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
-from nexrl.rollout.partial import Decoder
 from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories, close_workflow
 from nexrl.types import JSONDict, StepResult, Task, Trajectory
 

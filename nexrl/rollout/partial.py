@@ -14,20 +14,14 @@ sample started on; staleness uses min(token_versions).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from nexrl.inference.protocol import CompletionResult, SamplingKwargs
+from nexrl.inference.protocol import CompletionResult, Decoder, SamplingKwargs
 
 if TYPE_CHECKING:
     from nexrl.inference.client import LLMServiceClient
 
 ABORT = "abort"
-
-
-class Decoder(Protocol):
-    """What `merge` uses of a tokenizer."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
 def split_choices(out: CompletionResult) -> list[CompletionResult]:

@@ -33,12 +33,12 @@ from typing import TypeAlias
 from nexrl.agents.tokens import TokenSample
 from nexrl.aio import EventLoopThread
 from nexrl.inference.protocol import (
+    Decoder,
     GenerationRequest,
     GenerationResponse,
     InferenceEngine,
     WeightUpdateMeta,
 )
-from nexrl.rollout.partial import Decoder
 from nexrl.types import Trajectory
 
 EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
