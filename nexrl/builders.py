@@ -32,7 +32,9 @@ from nexrl.registry import Registry
 from nexrl.types import NexRLRole
 
 if TYPE_CHECKING:
+    from nexrl.distributed.dp_train import RayDataParallelTrainClient
     from nexrl.inference.client import LLMServiceClient
+    from nexrl.training.client import TrainServiceClient
     from nexrl.training.config import EngineConfig
 
 ROLLOUT_WORKERS: Registry[Callable[..., RolloutWorkerLike]] = Registry(
@@ -149,7 +151,9 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     return engine
 
 
-def build_train_worker(cfg: DictConfig, client: Any = None) -> TrainWorkerLike:
+def build_train_worker(
+    cfg: DictConfig, client: TrainServiceClient | RayDataParallelTrainClient | None = None
+) -> TrainWorkerLike:
     """The train worker; `client` replaces the configured train service client (Ray's
     data-parallel worker group passes its own)."""
     from nexrl.training.client import TrainServiceClient

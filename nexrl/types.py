@@ -47,11 +47,17 @@ from JSON files, tool arguments)."""
 JSONDict: TypeAlias = "dict[str, JSONValue]"
 
 
-class PendingTasks(TypedDict):
+class LoaderState(TypedDict, total=False):
+    """The loader part of a checkpoint's run state."""
+
+    dataloader: JSONDict | None
+    """The loader's `state_dict()` (left out, or None, for a loader that keeps none)."""
+
+
+class PendingTasks(LoaderState):
     """`TaskAdmission.checkpoint_state`: the loader's own state and the handed-out tasks
     not trained yet (`nexrl.data.base.item_to_state`), saved with a checkpoint."""
 
-    dataloader: JSONDict | None
     pending_tasks: list[JSONDict]
 
 
