@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
 from nexrl.distributed.worker_group import RayWorkerGroup
+from nexrl.protocols import TrainWorkerLike
 from nexrl.training.client import TrainServiceClient
 from nexrl.training.parallel import shard_batch
 from nexrl.types import Batch
@@ -128,7 +129,7 @@ class RayDataParallelTrainClient:
         self.group = self.cluster = None
 
 
-def build_ray_train_worker(cfg: DictConfig) -> Any:
+def build_ray_train_worker(cfg: DictConfig) -> TrainWorkerLike:
     """TRAIN_WORKER builder for Ray mode: data-parallel ranks when `ray.train_ranks` asks."""
     from nexrl.builders import build_train_worker, engine_config
     from nexrl.distributed.settings import RaySettings, actor_env
