@@ -32,7 +32,14 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from nexrl.rewards.calls import RewardDict
-from nexrl.rewards.sandbox import MAX_CASES, Isolation, Sandbox, SandboxLimits
+from nexrl.rewards.sandbox import (
+    MAX_CASES,
+    CallResult,
+    ExecResult,
+    Isolation,
+    Sandbox,
+    SandboxLimits,
+)
 from nexrl.rewards.sandbox_forkserver import ForkServerSandbox
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
@@ -127,22 +134,23 @@ class CodeReward:
         entry_point = None if entry is None else str(entry)
         names = program_names(calls, setup, entry_point) if calls else []
         box = self.sandbox
-        futures = [
+        case_futures = [
             box.submit_fn(
                 box.run_cases, setup + "\n" + code, [t["input"] for t in chunk], self.limits
             )
             for chunk in _chunks(io)
         ]
-        futures += [
+        call_futures = [
             box.submit_fn(box.run_calls, code, chunk, names, setup, self.limits)
             for chunk in _chunks(calls)
         ]
-        results = [r for f in futures for r in f.result()]
+        cases = [r for f in case_futures for r in f.result()]
+        checks = [r for f in call_futures for r in f.result()]
         passed = sum(
-            r.ok and _same_output(r.stdout, t["output"])
-            for t, r in zip(io, results[: len(io)], strict=True)
+            r.ok and _same_output(r.stdout, t["output"]) for t, r in zip(io, cases, strict=True)
         )
-        passed += sum(r.passed for r in results[len(io) :])
+        passed += sum(r.passed for r in checks)
+        results: list[ExecResult | CallResult] = [*cases, *checks]
         return {
             "reward": passed / len(tests),
             "scores": {
