@@ -17,10 +17,12 @@ from nexrl.types import Batch, JSONDict, ModelTag, PendingTasks, StepResult, Tas
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
     from nexrl.inference.protocol import WeightUpdateMeta
     from nexrl.monitoring.activity import ActivityTrackerProxy
     from nexrl.monitoring.errors import ErrorSeverity
+    from nexrl.monitoring.loggers import PostOptions
     from nexrl.rollout.admission import BatchPlan, GroupInfo
 
 WeightArrays = dict[str, tuple[Any, str]]
@@ -85,7 +87,7 @@ class TrackerLike(Protocol):
     def is_rollout_worker_quiescent(self) -> bool: ...
     def set_training_step(self, step: int) -> None: ...
     def get_training_step(self) -> int: ...
-    def experiment_logger_post(self, backend: str, **kwargs: object) -> None: ...
+    def experiment_logger_post(self, backend: str, **kwargs: Unpack[PostOptions]) -> None: ...
 
 
 @runtime_checkable

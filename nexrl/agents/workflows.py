@@ -93,7 +93,7 @@ class _Base(RolloutWorkflow):
         rest = [m for m in (*self.prefix_messages, *prompt) if m["role"] != "system"]
         return [*system, *(dict(m) for m in rest)]
 
-    async def _finish(self, traj: Trajectory, data: Row, completion: str) -> Trajectory:
+    async def _finish(self, traj: Trajectory, data: Row, completion: str | None) -> Trajectory:
         """Score the completion off the event loop: a slow reward (a symbolic check, code
         run against tests) must not hold up the other episodes on the loop. An async
         reward (one that answers an awaitable) is awaited."""
@@ -158,7 +158,8 @@ class ToolWorkflow(_Base):
             on_rewrite=self.on_rewrite,
         )
         last = next((m for m in reversed(episode.messages) if m["role"] == "assistant"), None)
-        completion = last["content"] if last else ""
+        content = last["content"] if last else ""
+        completion = content if content is None or isinstance(content, str) else str(content)
         finish = "abort" if episode.finish == "abort" else "stop"
         out = []
         for sample in episode.samples:

@@ -99,7 +99,7 @@ def sampling_from_kwargs(kwargs: SamplingKwargs) -> SamplingParams:
         max_new_tokens=int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", 64))),
         temperature=float(kwargs.get("temperature", 1.0)),
         top_p=float(kwargs.get("top_p", 1.0)),
-        top_k=int(kwargs.get("top_k", -1) if kwargs.get("top_k") is not None else -1),
+        top_k=int(top_k) if (top_k := kwargs.get("top_k")) is not None else -1,
         stop_token_ids=list(kwargs.get("stop_token_ids") or []),
         stop=[stop] if isinstance(stop, str) else list(stop),
         n=int(kwargs.get("n", 1)),

@@ -174,7 +174,10 @@ class ProcessEngine:
     @property
     def pid(self) -> int:
         """Process id of the current engine process (changes on restart)."""
-        return self._child.proc.pid
+        pid = self._child.proc.pid
+        if pid is None:  # never: a child is started before it is installed
+            raise RuntimeError("the engine process was not started")
+        return pid
 
     def _watch(self) -> None:
         while not self._stop.wait(self.health_interval_s):

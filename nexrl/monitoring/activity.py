@@ -32,11 +32,12 @@ from omegaconf import OmegaConf
 
 from nexrl.execute import execute, execute_within, is_remote
 from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity, HealthStatus
-from nexrl.monitoring.loggers import ExperimentLogger, check_backend
+from nexrl.monitoring.loggers import ExperimentLogger, PostOptions, check_backend
 from nexrl.monitoring.outbox import QUEUED, QueuedCall, outbox_for
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+    from typing_extensions import Unpack
 
     from nexrl.protocols import ModuleLike
 
@@ -237,7 +238,7 @@ class ActivityTracker:
         with self._cond:
             return self._training_step
 
-    def experiment_logger_post(self, backend: str, **kwargs: object) -> None:
+    def experiment_logger_post(self, backend: str, **kwargs: Unpack[PostOptions]) -> None:
         """Forward to `ExperimentLogger.post`; `step` defaults to the training step."""
         kwargs.setdefault("step", self.get_training_step())
         self.experiment_logger.post(backend, **kwargs)
@@ -315,7 +316,7 @@ class ActivityTrackerProxy:
         self._flush()
         return execute(self._central.get_training_step)
 
-    def experiment_logger_post(self, backend: str, **kwargs: object) -> None:
+    def experiment_logger_post(self, backend: str, **kwargs: Unpack[PostOptions]) -> None:
         """Not waited for (two posts a train step); an unknown `backend` raises here."""
         check_backend(backend)
         self._queue("experiment_logger_post", backend, **kwargs)

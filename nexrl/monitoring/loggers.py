@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from nexrl.monitoring.progress import DEFAULT_CONSOLE_KEYS, ConsoleBackend
 from nexrl.monitoring.samples import SAMPLE_COLUMNS, sample_rows, with_staleness
@@ -46,6 +46,15 @@ __all__ = [
 ]
 
 TRACKER_IDS_FILE = "trackers.json"
+
+
+class PostOptions(TypedDict, total=False):
+    """The keyword arguments of `ExperimentLogger.post` a tracker forwards."""
+
+    data: Mapping[str, object] | None
+    step: int | None
+    total_steps: int | None
+    rows: Sequence[Mapping[str, object]] | None
 
 
 class LoggerBackend(Protocol):

@@ -47,7 +47,7 @@ def exact_match(prompt: str, completion: str, answer: str, **row: object) -> flo
     return float(completion.strip() == str(answer).strip())
 
 
-REWARD_FUNCTIONS = Registry("reward function", "rollout_worker.reward_fn")
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", "rollout_worker.reward_fn")
 """name -> reward; `REWARD_FUNCTIONS.add("mine", fn)` (or `@REWARD_FUNCTIONS.register(
 "mine")`) makes `rollout_worker.reward_fn=mine` pick it."""
 REWARD_FUNCTIONS.add("shift_letters", shift_letters)

@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import TypeAlias
+from typing import SupportsFloat, TypeAlias
 
 from nexrl.agents.tokens import TokenSample
 from nexrl.aio import EventLoopThread
@@ -160,6 +160,8 @@ def from_tensor_dict(item: Row) -> Trajectory:
         value = reward.tolist() if hasattr(reward, "tolist") else reward
         while isinstance(value, list):  # a (1,) or (1, 1) tensor
             value = value[0]
+        if not isinstance(value, SupportsFloat | str):
+            raise TypeError(f"an episode's reward is {type(value).__name__}, not a number")
         traj["reward"] = float(value)
     return traj
 
