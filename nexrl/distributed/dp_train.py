@@ -119,7 +119,10 @@ class RayDataParallelTrainClient:
 
     def get_step(self) -> int:
         group = self._group()
-        return group.get_results([group.workers[0].call.remote("get_step")])[0]
+        step = group.get_results([group.workers[0].call.remote("get_step")])[0]
+        if not isinstance(step, int):
+            raise TypeError(f"get_step: rank 0 answered {step!r}")
+        return step
 
     def close(self) -> None:
         if self.group is not None:

@@ -330,12 +330,11 @@ class LLMServiceClient:
             choice["tool_calls"] = message.get("tool_calls", [])
             choice["finish_reason"] = finish
             choice["parse_failures"] = [f.reason for f in parsed[2]]
-        result.update(
-            {
-                k: result["choices"][0][k]
-                for k in ("content", "tool_calls", "finish_reason", "parse_failures")
-            }
-        )
+        first = result["choices"][0]
+        result["content"] = first["content"]
+        result["tool_calls"] = first["tool_calls"]
+        result["finish_reason"] = first["finish_reason"]
+        result["parse_failures"] = first["parse_failures"]
 
     def _local_generate(
         self, prompt: str | None, ids: list[int], kwargs: SamplingKwargs

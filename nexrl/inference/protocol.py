@@ -62,7 +62,7 @@ class SampleResult(TypedDict, total=False):
     response: str
     response_ids: list[int]
     response_logprobs: list[float]
-    finish_reason: str | None
+    finish_reason: str
     token_versions: list[int]
     retokenized: bool
     """A remote server sent no token ids: `response_ids` re-encode the text."""

@@ -289,6 +289,7 @@ class RewardRunner:
 
     def _schedule(self, args: RewardArgs) -> concurrent.futures.Future[Scored]:
         """One call in the process pool; pebble kills it after `timeout_s`."""
+        assert self._pool is not None  # called only with a pool
         return self._pool.schedule(
             _call_in_worker, args=(self._call, *args), timeout=self.timeout_s
         )
@@ -369,7 +370,7 @@ class RewardRunner:
             return self._failure(exc)
         return RewardOutcome(reward, scores)
 
-    def _failure(self, exc: Exception) -> RewardOutcome:
+    def _failure(self, exc: BaseException) -> RewardOutcome:
         """The outcome of a failed call; a timeout is ours, pebble's or the reward's own."""
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
             return RewardOutcome(
