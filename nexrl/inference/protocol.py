@@ -14,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
-from nexrl.types import JSONDict
+from nexrl.types import JSONDict, JSONValue
+
+if TYPE_CHECKING:
+    import torch
 
 TokenCallback = Callable[[int, int, float, int], None]
 """Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
@@ -113,7 +116,7 @@ class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, JSONValue] = field(default_factory=dict)
     cache_output: bool = True
 
 
@@ -141,7 +144,7 @@ class WeightUpdateMeta:
 
     version: int
     path: str | None = None
-    state_dict: dict[str, Any] | None = None
+    state_dict: dict[str, torch.Tensor] | None = None
 
 
 @runtime_checkable

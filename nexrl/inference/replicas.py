@@ -276,7 +276,8 @@ class ReplicaBalancer:
                 self._versions[i] = version
 
     def _acquire(self, request: GenerationRequest, exclude: set[int] | None = None) -> int:
-        key = request.metadata.get("prefix_key") or request.rid
+        prefix = request.metadata.get("prefix_key")
+        key = str(prefix) if prefix else request.rid
         exclude = exclude or set()
         current = [i for i in self.current_replicas() if i not in exclude]
         if not current:
