@@ -13,7 +13,7 @@ import asyncio
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -40,11 +40,11 @@ class EventLoopThread:
         """The sized default executor (None: asyncio's own)."""
         return self._executor
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+    def submit(self, coro: Coroutine[object, None, T]) -> Future[T]:
         """Schedule `coro` on the loop; its result comes through the returned future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and wait for its result (its exception is raised here)."""
         return self.submit(coro).result(timeout)
 

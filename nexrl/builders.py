@@ -32,15 +32,21 @@ from nexrl.registry import Registry
 from nexrl.types import NexRLRole
 
 if TYPE_CHECKING:
+    from nexrl.distributed.dp_train import RayDataParallelTrainClient
     from nexrl.inference.client import LLMServiceClient
+    from nexrl.training.client import TrainServiceClient
     from nexrl.training.config import EngineConfig
 
-ROLLOUT_WORKERS = Registry("rollout worker", "rollout_worker.type")
+ROLLOUT_WORKERS: Registry[Callable[..., RolloutWorkerLike]] = Registry(
+    "rollout worker", "rollout_worker.type"
+)
 ROLLOUT_WORKERS.add("single_turn", "nexrl.rollout.workers:SingleTurnRolloutWorker")
 ROLLOUT_WORKERS.add("simple", "nexrl.rollout.workers:SimpleRolloutWorker")
 ROLLOUT_WORKERS.add("agent", "nexrl.rollout.agent:AgentRolloutWorker")
 
-PROCESSORS = Registry("algorithm processor", "algorithm.type")
+PROCESSORS: Registry[Callable[..., ProcessorLike]] = Registry(
+    "algorithm processor", "algorithm.type"
+)
 PROCESSORS.add("grpo", "nexrl.algorithms.processor:GRPOProcessor")
 
 
@@ -145,7 +151,9 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     return engine
 
 
-def build_train_worker(cfg: DictConfig, client: Any = None) -> TrainWorkerLike:
+def build_train_worker(
+    cfg: DictConfig, client: TrainServiceClient | RayDataParallelTrainClient | None = None
+) -> TrainWorkerLike:
     """The train worker; `client` replaces the configured train service client (Ray's
     data-parallel worker group passes its own)."""
     from nexrl.training.client import TrainServiceClient

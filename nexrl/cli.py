@@ -23,9 +23,11 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from nexrl.controller import NexRLController
 
 COMMANDS_HELP = {
@@ -324,11 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def missing_gpu(cfg: Any) -> str | None:
+def missing_gpu(cfg: DictConfig) -> str | None:
     """The first config key that asks for a CUDA device on a machine without one."""
     from omegaconf import OmegaConf
 
-    def walk(node: Any, prefix: str) -> str | None:
+    def walk(node: object, prefix: str) -> str | None:
         if isinstance(node, dict):
             for key, value in node.items():
                 found = walk(value, f"{prefix}{key}.")

@@ -418,5 +418,5 @@ class NexRLController:
         if shutdown is not None:
             shutdown()
 
-    def _ledger(self) -> dict[str, Any]:
+    def _ledger(self) -> dict[str, int]:
         return dict(execute(self.activity_tracker.get_counters))

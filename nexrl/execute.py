@@ -44,7 +44,7 @@ class ModuleDiedError(RuntimeError):
     """The Ray actor behind a module is dead; the message names the module and method."""
 
 
-def is_remote(func: Any) -> bool:
+def is_remote(func: object) -> bool:
     return callable(getattr(func, "remote", None))
 
 
@@ -71,7 +71,7 @@ def execute_within(
     return func(*args, **kwargs)
 
 
-def _name(func: Any) -> str:
+def _name(func: object) -> str:
     return getattr(func, "__name__", None) or getattr(func, "_method_name", None) or repr(func)
 
 

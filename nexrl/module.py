@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nexrl.monitoring.activity import ActivityTrackerProxy
@@ -45,9 +45,9 @@ class NexRLModule:
 
     def easy_dump(
         self,
-        value: Any,
+        value: object,
         keys: Iterable[str] = (),
-        value_formatter: Callable[[Any], str] = repr,
+        value_formatter: Callable[[object], str] = repr,
     ) -> str:
         """Log `value` (or the given keys of a dict value) with the module's name."""
         if keys and isinstance(value, dict):

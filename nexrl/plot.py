@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def _smooth(values: list[float]) -> list[float]:
 
 
 def _lines(
-    ax: Any, keys: tuple[str, ...], series: Series, colors: Any, dashed: bool = False
+    ax: Axes, keys: tuple[str, ...], series: Series, colors: Iterator[str], dashed: bool = False
 ) -> bool:
     drawn = False
     for key in keys:
@@ -121,7 +124,7 @@ def _lines(
     return drawn
 
 
-def _draw(ax: Any, panel: Panel, series: Series) -> bool:
+def _draw(ax: Axes, panel: Panel, series: Series) -> bool:
     colors = iter(["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"])
     drawn = False
     if panel.band and all(series.get(k) for k in panel.band):
@@ -155,8 +158,8 @@ def _draw(ax: Any, panel: Panel, series: Series) -> bool:
         from matplotlib.ticker import MaxNLocator
 
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        low, high = ax.get_ylim()
-        ax.set_ylim(min(low, -0.5), max(high, 1.5))  # a sync run is all zeros
+        bottom, top = ax.get_ylim()
+        ax.set_ylim(min(bottom, -0.5), max(top, 1.5))  # a sync run is all zeros
     if drawn:
         ax.legend(handles, labels, fontsize=8)
     else:

@@ -23,7 +23,9 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class RegistryError(KeyError, ValueError):
@@ -52,37 +54,41 @@ def import_object(path: str) -> Any:
         raise RegistryError(f"import path {path!r}: module has no attribute {attr!r}") from exc
 
 
-class Registry:
-    """A name -> object dict with one error format for unknown names."""
+class Registry(Generic[T]):
+    """A name -> object dict with one error format for unknown names (`T`: what every
+    entry is: a class, a function of one signature)."""
 
     def __init__(self, kind: str, config_key: str | None = None) -> None:
         self.kind = kind
         self.config_key = config_key
-        self._items: dict[str, Any] = {}
+        self._items: dict[str, T | str] = {}
 
-    def register(self, name: str) -> Callable[[Any], Any]:
+    def register(self, name: str) -> Callable[[T], T]:
         """Decorator: `@REGISTRY.register("name")` above a function or class."""
 
-        def deco(obj: Any) -> Any:
+        def deco(obj: T) -> T:
             self.add(name, obj)
             return obj
 
         return deco
 
-    def add(self, name: str, obj: Any) -> None:
+    def add(self, name: str, obj: T | str) -> None:
         """Register `obj` (or an import path string "pkg.module:attr", resolved on use)."""
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         self._items[name] = obj
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> T:
         if name in self._items:
             item = self._items[name]
-            if isinstance(item, str):  # lazy entry
-                item = self._items[name] = import_object(item)
+            if isinstance(item, str):  # lazy entry: what the import path names is a T
+                loaded: T = import_object(item)
+                self._items[name] = loaded
+                return loaded
             return item
         if ":" in name:
-            return import_object(name)
+            imported: T = import_object(name)  # a user's import path, trusted to be a T
+            return imported
         raise self.unknown(name)
 
     def check(self, name: str) -> None:
@@ -103,7 +109,7 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._items)
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> T:
         """`get` of a registered name (no import path): `REGISTRY[name]`."""
         if name not in self._items:
             raise self.unknown(name)
@@ -120,7 +126,7 @@ class Registry:
         """Names whose entry comes from a module outside `package` (user code); a lazy
         entry is judged by its import path, without importing it."""
 
-        def inside(item: Any) -> bool:
+        def inside(item: object) -> bool:
             module = (
                 item.split(":")[0]
                 if isinstance(item, str)

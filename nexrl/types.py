@@ -31,12 +31,45 @@ import operator
 from collections.abc import ItemsView, KeysView
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 import torch
 
+if TYPE_CHECKING:
+    from nexrl.inference.protocol import CompletionResult
+
 ModelTag = str
 Trajectory = dict[str, Any]
+
+JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
+"""A value that survives `json.dumps` / `json.loads` unchanged (request bodies, rows read
+from JSON files, tool arguments)."""
+JSONDict: TypeAlias = "dict[str, JSONValue]"
+
+
+class LoaderState(TypedDict, total=False):
+    """The loader part of a checkpoint's run state."""
+
+    dataloader: JSONDict | None
+    """The loader's `state_dict()` (left out, or None, for a loader that keeps none)."""
+
+
+class PendingTasks(LoaderState):
+    """`TaskAdmission.checkpoint_state`: the loader's own state and the handed-out tasks
+    not trained yet (`nexrl.data.base.item_to_state`), saved with a checkpoint."""
+
+    pending_tasks: list[JSONDict]
+
+
+class SampleRow(TypedDict):
+    """One row of the sample-completion table the trackers receive (`SAMPLE_COLUMNS`)."""
+
+    prompt: str
+    response: str
+    reward: float | None
+    version: int | None
+    staleness: int | None
+
 
 DEFAULT_MODEL_TAG: ModelTag = "default"
 
@@ -92,7 +125,7 @@ class Task:
     tracks about the task lives in the other fields, never inside `data`.
     """
 
-    data: dict[str, Any]
+    data: JSONDict
     task_id: int = -1
     """Unique per run, set when the task is first handed out (-1: not yet)."""
     is_validate: bool = False
@@ -100,30 +133,30 @@ class Task:
     """Failed attempts so far (bounded by `rollout_worker.max_task_retries`)."""
     aborts: int = 0
     """Times a weight push aborted this task's generation."""
-    partial: list[dict[str, Any]] | None = None
+    partial: list[CompletionResult] | None = None
     """Samples kept from an aborted generation (partial rollout), continued next time."""
     tail: bool = False
     """Served from the tail-batch pool: never aborted again."""
 
     @property
-    def uid(self) -> Any:
+    def uid(self) -> JSONValue:
         return self.data.get("uid")
 
     # Read access to the row, so a `step(task)` written for the row dict (seed 000:
     # `task["prompt"]`, `task.get(...)`, `"prompt" in task`) works on the Task itself.
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> JSONValue:
         return self.data[key]
 
     def __contains__(self, key: object) -> bool:
         return key in self.data
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: JSONValue = None) -> JSONValue:
         return self.data.get(key, default)
 
     def keys(self) -> KeysView[str]:
         return self.data.keys()
 
-    def items(self) -> ItemsView[str, Any]:
+    def items(self) -> ItemsView[str, JSONValue]:
         return self.data.items()
 
 

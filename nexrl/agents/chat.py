@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 from nexrl.inference.api_models import assistant_message, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine, SamplingParams
@@ -18,15 +19,28 @@ from nexrl.inference.tool_parsers import ToolCallParser, get_parser
 logger = logging.getLogger(__name__)
 
 
+class ChatReply(TypedDict):
+    """`chat_with_tools`' answer: the OpenAI reply fields and the ids for training."""
+
+    content: str | None
+    tool_calls: list[dict[str, object]]
+    finish_reason: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    parse_failures: list[str]
+
+
 async def chat_with_tools(
     engine: InferenceEngine,
     tokenizer: Any,
-    messages: list[dict[str, Any]],
+    messages: Sequence[Mapping[str, object]],
     sampling: SamplingParams,
     *,
-    tools: list[dict[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = None,
     parser: ToolCallParser | str = "hermes",
-) -> dict[str, Any]:
+) -> ChatReply:
     """The assistant's reply: `content`, `tool_calls` (OpenAI entries, [] when none),
     `finish_reason` ("tool_calls" when it called), plus the ids for training:
     `prompt_ids`, `output_ids`, `logprobs`, `versions`, and `parse_failures` (reasons)."""
@@ -57,7 +71,9 @@ _TEMPLATE_CHECKED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDic
 
 
 def warn_if_template_drops(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, object]],
+    tools: Sequence[Mapping[str, object]] | None,
 ) -> list[str]:
     """Warn (once per tokenizer and kind) when the chat template renders `tools`, or the
     assistant `tool_calls` of `messages`, to nothing: the model then never sees the tool

@@ -13,6 +13,7 @@ it).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ class Episode:
     """What one episode produced: training samples, the chat history, and its metrics."""
 
     samples: list[TokenSample]
-    messages: list[dict[str, Any]]
+    messages: list[Mapping[str, object]]
     finish: str  # "answer" | "max_turns" | "context" | "parse_failure" | "length" | "abort"
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -35,7 +36,7 @@ class Episode:
 async def run_tool_episode(
     engine: InferenceEngine,
     tokenizer: Any,
-    messages: list[dict[str, Any]],
+    messages: Sequence[Mapping[str, object]],
     env: ToolingEnv,
     parser: ToolCallParser,
     sampling: SamplingParams,

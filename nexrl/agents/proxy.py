@@ -37,7 +37,7 @@ from nexrl.inference.api_models import ChatRequest, chat_body, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine
 from nexrl.inference.tool_parsers import get_parser
 from nexrl.registry import import_object
-from nexrl.rollout.workflow import RolloutWorkflow
+from nexrl.rollout.workflow import RolloutWorkflow, Row
 from nexrl.types import Trajectory
 
 
@@ -45,7 +45,7 @@ from nexrl.types import Trajectory
 class Session:
     """What one agent run produced through the proxy."""
 
-    completions: list[dict[str, Any]] = field(default_factory=list)
+    completions: list[Trajectory] = field(default_factory=list)
     reward: float | None = None
     engine: InferenceEngine | None = None
     """Serves this session (None: the proxy's engine); the pipeline's per-step engine."""
@@ -55,11 +55,11 @@ class RewardBody(BaseModel):
     reward: float
 
 
-def _ids(chain: dict[str, Any]) -> list[int]:
+def _ids(chain: Trajectory) -> list[int]:
     return chain["prompt_ids"] + chain["response_ids"]
 
 
-def merge_completions(completions: list[dict[str, Any]]) -> list[Trajectory]:
+def merge_completions(completions: list[Trajectory]) -> list[Trajectory]:
     """Chain completions into multi-turn samples (see the module docstring).
 
     A completion continues the chain whose ids so far (prompt, then every sampled and
@@ -67,7 +67,7 @@ def merge_completions(completions: list[dict[str, Any]]) -> list[Trajectory]:
     chain. The ids between two turns get loss_mask 0, logprob 0.0 and version -1 (the
     pipeline gives them the oldest policy version). `turns` lists the merged completions'
     `turn` indices."""
-    chains: list[dict[str, Any]] = []
+    chains: list[Trajectory] = []
     for c in completions:
         prompt = c["prompt_ids"]
         extends = [
@@ -131,7 +131,7 @@ class RecordingProxy:
         merged = merge_completions(session.completions)
         return [{**t, "reward": float(value), "session": sid} for t in merged]
 
-    async def _chat(self, sid: str, body: ChatRequest) -> dict[str, Any]:
+    async def _chat(self, sid: str, body: ChatRequest) -> dict[str, object]:
         messages = chat_messages(body.messages)
         warn_if_template_drops(self.tokenizer, messages, body.tools)
         prompt = self.tokenizer.apply_chat_template(
@@ -168,18 +168,18 @@ class RecordingProxy:
         app = FastAPI(title="nexrl recording proxy")
 
         @app.post("/sessions/{sid}/v1/chat/completions")
-        async def chat(sid: str, body: ChatRequest) -> dict[str, Any]:
+        async def chat(sid: str, body: ChatRequest) -> dict[str, object]:
             if body.stream:
                 raise HTTPException(400, "stream: the recording proxy answers whole replies")
             return await self._chat(sid, body)
 
         @app.post("/sessions/{sid}/reward")
-        async def reward(sid: str, body: RewardBody) -> dict[str, Any]:
+        async def reward(sid: str, body: RewardBody) -> dict[str, object]:
             self.set_reward(sid, body.reward)
             return {"session": sid, "reward": body.reward}
 
         @app.get("/sessions/{sid}/v1/models")
-        async def models(sid: str) -> dict[str, Any]:
+        async def models(sid: str) -> dict[str, object]:
             return {"object": "list", "data": [{"id": "policy", "object": "model"}]}
 
         return app
@@ -219,8 +219,8 @@ class ProxyServer:
         self.thread.join(timeout=10)
 
 
-AgentFn = Callable[[str, str, dict[str, Any]], "float | None"]
-AsyncAgentFn = Callable[[str, str, dict[str, Any]], Awaitable["float | None"]]
+AgentFn = Callable[[str, str, dict[str, object]], "float | None"]
+AsyncAgentFn = Callable[[str, str, dict[str, object]], Awaitable["float | None"]]
 
 
 class OpenAIAgentWorkflow(RolloutWorkflow):
@@ -238,7 +238,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self._server: ProxyServer | None = None
         self._lock = threading.Lock()
 
-    async def _call_agent(self, url: str, data: dict[str, Any]) -> float | None:
+    async def _call_agent(self, url: str, data: dict[str, object]) -> float | None:
         """An `async def` agent is awaited on the episode's loop (e.g. `openai.AsyncOpenAI`);
         a plain function runs in a thread, and an awaitable it returns is awaited."""
         if _is_async(self.agent):
@@ -261,9 +261,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 self._server = ProxyServer(RecordingProxy(engine, parser=self.parser))
             return self._server
 
-    async def arun_episode(
-        self, engine: InferenceEngine, data: dict[str, Any]
-    ) -> list[Trajectory] | None:
+    async def arun_episode(self, engine: InferenceEngine, data: Row) -> list[Trajectory] | None:
         server = self._proxy(engine)
         sid = uuid.uuid4().hex
         server.proxy.session(sid).engine = engine
@@ -278,7 +276,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             server.proxy.sessions.pop(sid, None)
 
 
-def _is_async(fn: Any) -> bool:
+def _is_async(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 (an object with `async def __call__`)
     )

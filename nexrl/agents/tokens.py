@@ -39,6 +39,7 @@ format would not reproduce the model's ids.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -165,17 +166,17 @@ class MultiTurnTokens:
     def __init__(
         self,
         tokenizer: Any,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Mapping[str, object]],
         *,
-        tools: list[dict[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         on_rewrite: Literal["error", "split"] = "error",
-        template_kwargs: dict[str, Any] | None = None,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> None:
         if on_rewrite not in ("error", "split"):
             raise ValueError(f"on_rewrite must be 'error' or 'split', got {on_rewrite!r}")
         self.tokenizer, self.tools, self.on_rewrite = tokenizer, tools, on_rewrite
         self.template_kwargs = dict(template_kwargs or {})
-        self.messages: list[dict[str, Any]] = list(messages)
+        self.messages: list[Mapping[str, object]] = list(messages)
         self.turns = 0
         self._special = set(getattr(tokenizer, "all_special_ids", []))
         self._matcher = _Matcher(tokenizer)
@@ -193,8 +194,8 @@ class MultiTurnTokens:
         output_ids: list[int],
         logprobs: list[float],
         versions: list[int] | None = None,
-        message: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+        message: Mapping[str, object] | None = None,
+    ) -> Mapping[str, object]:
         """Append one sampled turn (its ids exactly); returns the history message added.
 
         `message` defaults to the decoded text as the assistant's content.
@@ -215,7 +216,7 @@ class MultiTurnTokens:
         return message
 
     # -- the environment's side ----------------------------------------------------------
-    def add_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    def add_messages(self, messages: Sequence[Mapping[str, object]]) -> list[int]:
         """Append environment messages (tool results, user turns) and the next generation
         prompt, as the template renders them; returns the ids added (loss_mask 0)."""
         history = self.messages + list(messages)
@@ -235,7 +236,7 @@ class MultiTurnTokens:
         self.messages = history
         return added
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render(self, messages: Sequence[Mapping[str, object]]) -> list[int]:
         """The template's ids for `messages` followed by the assistant generation prompt."""
         warn_if_template_drops(self.tokenizer, messages, self.tools)
         ids = self.tokenizer.apply_chat_template(

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 from nexrl.agents.loop import run_tool_episode
 from nexrl.agents.tokens import MultiTurnTokens
@@ -20,11 +23,12 @@ from nexrl.envs.local import LocalToolingEnv
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine, SamplingParams
 from nexrl.inference.tool_parsers import get_parser
 from nexrl.registry import import_object
-from nexrl.rollout.workflow import RolloutWorkflow, sample_to_trajectory
+from nexrl.rewards.calls import RewardFn
+from nexrl.rollout.workflow import RolloutWorkflow, Row, sample_to_trajectory
 from nexrl.types import Trajectory
 
 
-def _messages(data: dict[str, Any], prompt_key: str) -> list[dict[str, Any]]:
+def _messages(data: Row, prompt_key: str) -> list[dict[str, object]]:
     prompt = data.get(prompt_key)
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
@@ -45,7 +49,7 @@ def _reward(value: Any, traj: Trajectory) -> float:
 _ROLLOUT_DEFAULTS = RolloutWorkerConfig()
 
 
-def _rollout_option(config: Any, name: str) -> Any:
+def _rollout_option(config: RolloutWorkerConfig | DictConfig | None, name: str) -> Any:
     """`config.<name>` (the `rollout_worker` section), or the schema's default when the
     workflow is built without one: the defaults are written once, in the schema."""
     return getattr(config, name, getattr(_ROLLOUT_DEFAULTS, name))
@@ -59,13 +63,13 @@ class _Base(RolloutWorkflow):
 
     def __init__(
         self,
-        config: Any = None,
-        reward_fn: Any = None,
+        config: RolloutWorkerConfig | DictConfig | None = None,
+        reward_fn: RewardFn | None = None,
         prompt_key: str = DataConfig.prompt_key,
         max_tokens: int | None = None,
         temperature: float | None = None,
         system_prompt: str | None = None,
-        prefix_messages: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
+        prefix_messages: Sequence[Mapping[str, object]] = (),
     ) -> None:
         self.reward_fn = reward_fn
         self.prompt_key = prompt_key
@@ -80,7 +84,7 @@ class _Base(RolloutWorkflow):
             top_k=_rollout_option(config, "top_k"),
         )
 
-    def messages(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+    def messages(self, data: Row) -> list[dict[str, object]]:
         """The opening chat of an episode: system message, prefix messages, the row's prompt."""
         prompt = _messages(data, self.prompt_key)
         system = [m for m in (*self.prefix_messages, *prompt) if m["role"] == "system"][:1]
@@ -89,7 +93,7 @@ class _Base(RolloutWorkflow):
         rest = [m for m in (*self.prefix_messages, *prompt) if m["role"] != "system"]
         return [*system, *(dict(m) for m in rest)]
 
-    async def _finish(self, traj: Trajectory, data: dict[str, Any], completion: str) -> Trajectory:
+    async def _finish(self, traj: Trajectory, data: Row, completion: str | None) -> Trajectory:
         """Score the completion off the event loop: a slow reward (a symbolic check, code
         run against tests) must not hold up the other episodes on the loop. An async
         reward (one that answers an awaitable) is awaited."""
@@ -107,7 +111,7 @@ class _Base(RolloutWorkflow):
 class SingleTurnWorkflow(_Base):
     """One assistant turn from the row's chat prompt."""
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
+    async def arun_episode(self, engine: InferenceEngine, data: Row) -> Trajectory:
         tokens = MultiTurnTokens(engine.tokenizer, self.messages(data))
         resp = await engine.agenerate(GenerationRequest(tokens.prompt_ids(), self.sampling))
         out = resp.outputs[0]
@@ -126,8 +130,8 @@ class ToolWorkflow(_Base):
 
     def __init__(
         self,
-        config: Any = None,
-        reward_fn: Any = None,
+        config: RolloutWorkerConfig | DictConfig | None = None,
+        reward_fn: RewardFn | None = None,
         tools: list[str] | tuple[str, ...] = (),
         parser: str = "hermes",
         max_turns: int = 4,
@@ -141,7 +145,7 @@ class ToolWorkflow(_Base):
         self.max_turns = max_turns
         self.on_rewrite = on_rewrite
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
+    async def arun_episode(self, engine: InferenceEngine, data: Row) -> list[Trajectory]:
         env = LocalToolingEnv(self.tools)
         episode = await run_tool_episode(
             engine,
@@ -154,7 +158,8 @@ class ToolWorkflow(_Base):
             on_rewrite=self.on_rewrite,
         )
         last = next((m for m in reversed(episode.messages) if m["role"] == "assistant"), None)
-        completion = last["content"] if last else ""
+        content = last["content"] if last else ""
+        completion = content if content is None or isinstance(content, str) else str(content)
         finish = "abort" if episode.finish == "abort" else "stop"
         out = []
         for sample in episode.samples:

@@ -23,11 +23,15 @@ response tokens, and an episode's tokens are in its samples once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nexrl.algorithms.registry import Registry
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "algorithm.advantage_estimator")
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., torch.Tensor]] = Registry(
+    "advantage estimator", "algorithm.advantage_estimator"
+)
 
 
 def group_stats(

@@ -15,11 +15,15 @@ in padding can never reach the loss or the gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nexrl.algorithms.registry import Registry
 
-AGGREGATIONS = Registry("loss aggregation mode", "algorithm.loss_agg_mode")
+AGGREGATIONS: Registry[Callable[..., torch.Tensor]] = Registry(
+    "loss aggregation mode", "algorithm.loss_agg_mode"
+)
 
 Norm = float | torch.Tensor | None
 

@@ -12,10 +12,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
 
 import torch
+
+from nexrl.types import Trajectory
 
 
 def informative_groups(
@@ -38,17 +39,17 @@ def informative_groups(
 
 
 def filter_informative(
-    trajectories: Sequence[dict[str, Any]],
+    trajectories: Sequence[Trajectory],
     group_key: str = "uid",
     reward_key: str = "reward",
     atol: float = 0.0,
-) -> list[dict[str, Any]]:
+) -> list[Trajectory]:
     """The trajectories of groups (by `group_key`) whose `reward_key` values differ."""
     for i, traj in enumerate(trajectories):
         for key in (group_key, reward_key):
             if key not in traj:
                 raise KeyError(f"trajectory {i} has no {key!r} (keys: {sorted(traj)})")
-    ids: dict[Any, int] = {}
+    ids: dict[Hashable, int] = {}
     group_index = torch.tensor([ids.setdefault(t[group_key], len(ids)) for t in trajectories])
     rewards = torch.tensor([float(t[reward_key]) for t in trajectories], dtype=torch.float64)
     keep = informative_groups(rewards, group_index, atol) if len(trajectories) else []

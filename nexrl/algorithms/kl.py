@@ -18,13 +18,19 @@ The reference is the initial policy unless told otherwise (as in verl and TRL):
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from nexrl.algorithms.registry import Registry
 
-KL_ESTIMATORS = Registry("KL estimator")
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry(
+    "KL estimator"
+)
 
 # exp(20) ~ 5e8: far beyond any useful KL, and far from float32 overflow.
 _MAX_LOG_RATIO = 20.0
@@ -97,13 +103,13 @@ def apply_kl_penalty(
     return penalised, {"kl_penalty_seq_mean": seq_kl.mean() if len(seq_kl) else seq_kl.sum()}
 
 
-def uses_kl(cfg: Any) -> bool:
+def uses_kl(cfg: DictConfig) -> bool:
     """The run reads reference logprobs: a KL reward penalty or a KL loss term."""
     loss_kwargs = cfg.algorithm.get("loss_kwargs") or {}
     return cfg.algorithm.kl_in_reward_coef > 0 or float(loss_kwargs.get("kl_coef", 0) or 0) > 0
 
 
-def reference_model_path(cfg: Any) -> str | None:
+def reference_model_path(cfg: DictConfig) -> str | None:
     """`train_worker.engine.ref_model_path`, or the initial policy (`model_path`) when the
     run uses KL and names no reference; None: no reference model is loaded."""
     given = cfg.train_worker.engine.get("ref_model_path")

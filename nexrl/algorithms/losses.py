@@ -12,11 +12,15 @@ never turn into inf * 0 = NaN in the loss or its gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nexrl.algorithms.registry import Registry
 
-POLICY_LOSSES = Registry("policy loss", "algorithm.loss_fn")
+POLICY_LOSSES: Registry[Callable[..., tuple[torch.Tensor, Metrics]]] = Registry(
+    "policy loss", "algorithm.loss_fn"
+)
 
 Metrics = dict[str, torch.Tensor]
 

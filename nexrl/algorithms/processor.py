@@ -12,7 +12,7 @@ import inspect
 import itertools
 import logging
 import statistics
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,9 +103,9 @@ def _check_lengths(columns: Columns, responses: list, masks: list, logprobs: lis
                 )
 
 
-def group_index(uids: list[Any]) -> torch.Tensor:
+def group_index(uids: list[Hashable]) -> torch.Tensor:
     """(N,) long: samples sharing a uid share an index, in order of first appearance."""
-    seen: dict[Any, int] = {}
+    seen: dict[Hashable, int] = {}
     return torch.tensor([seen.setdefault(u, len(seen)) for u in uids], dtype=torch.long)
 
 
@@ -117,7 +117,7 @@ def episode_index(columns: Columns) -> torch.Tensor | None:
     ids = _column(columns, "episode_id")
     if all(e is None for e in ids):
         return None
-    seen: dict[Any, int] = {}
+    seen: dict[Hashable, int] = {}
     pairs = enumerate(zip(columns["uid"], ids, strict=True))
     keys = [i if e is None else (u, e) for i, (u, e) in pairs]
     return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.long)

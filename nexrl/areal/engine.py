@@ -26,14 +26,14 @@ from typing import Any, cast
 from nexrl.areal.types import FinetuneSpec, LLMRequest, LLMResponse, WeightUpdateMeta
 from nexrl.areal.workflow import DistributedBatch, accept_fn, as_nexrl_workflow
 from nexrl.inference import protocol as proto
-from nexrl.rollout.workflow import WorkflowExecutor
+from nexrl.rollout.workflow import Row, WorkflowExecutor
 
 UPLOAD_DONE = ".nexrl_upload_done"
 """Written last into a `disk` update's directory by `TrainEngine.upload_weights`; holds
 the version. The inference side loads only once it exists."""
 
 
-def config_option(config: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
+def config_option(config: object, key: str, default: Any = None) -> Any:
     """`config[key]` (a mapping) or `config.key` (a dataclass), `default` when unset or None."""
     if config is None:
         return default
@@ -61,7 +61,7 @@ class InferenceEngine:
     engine: an already built nexrl engine to wrap instead (`initialize` keeps it).
     """
 
-    def __init__(self, config: Mapping[str, Any] | Any = None, engine: Any = None) -> None:
+    def __init__(self, config: object = None, engine: proto.InferenceEngine | None = None) -> None:
         self.config = config
         self._engine = engine
         self._executor: WorkflowExecutor | None = None
@@ -132,7 +132,9 @@ class InferenceEngine:
         self._updates.shutdown(wait=False)
 
     # -- generation --------------------------------------------------------------------
-    async def agenerate(self, req: LLMRequest | proto.GenerationRequest) -> Any:
+    async def agenerate(
+        self, req: LLMRequest | proto.GenerationRequest
+    ) -> LLMResponse | proto.GenerationResponse:
         """`LLMRequest` -> `LLMResponse` (text is tokenized here); a nexrl
         `GenerationRequest` passes through to the engine unchanged."""
         if isinstance(req, proto.GenerationRequest):
@@ -227,7 +229,7 @@ class InferenceEngine:
         tok = self.tokenizer
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
 
-    def submit(self, data: dict[str, Any], workflow: Any) -> None:
+    def submit(self, data: Row, workflow: Any) -> None:
         """Start one episode of `workflow` on `data`; `wait` collects it."""
         self.executor.submit(data, as_nexrl_workflow(workflow, self))
 
@@ -235,13 +237,13 @@ class InferenceEngine:
         self,
         count: int,
         timeout: float | None = None,
-        should_accept: Callable[[DistributedBatch], Any] | None = None,
+        should_accept: Callable[[DistributedBatch], object] | None = None,
     ) -> DistributedBatch:
         """The next `count` accepted episodes; TimeoutError after `timeout` seconds."""
         trajs = self.executor.wait(count, timeout, accept_fn(should_accept, self._pad()))
         return DistributedBatch(trajs, self._pad())
 
-    def rollout_batch(self, data: Iterable[dict[str, Any]], workflow: Any) -> DistributedBatch:
+    def rollout_batch(self, data: Iterable[Row], workflow: Any) -> DistributedBatch:
         """One episode per row of `data`, all finished (rejected episodes left out)."""
         trajs = self.executor.rollout(data, as_nexrl_workflow(workflow, self))
         return DistributedBatch(trajs, self._pad())
@@ -250,9 +252,9 @@ class InferenceEngine:
 
     def prepare_batch(
         self,
-        dataloader: Iterable[Any],
+        dataloader: Iterable[Row] | Iterable[list[Row]],
         workflow: Any,
-        should_accept: Callable[[DistributedBatch], Any] | None = None,
+        should_accept: Callable[[DistributedBatch], object] | None = None,
         batch_size: int | None = None,
     ) -> DistributedBatch:
         """Keep episodes running from `dataloader` until `batch_size` (default: the

@@ -39,11 +39,13 @@ from nexrl.training.critic import ValueEngine, gae, value_loss
 from nexrl.training.microbatch import split_by_tokens
 from nexrl.types import Batch
 
-LossFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
-WeightFn = Callable[[dict[str, Any]], float]
+TensorDict = dict[str, torch.Tensor]
+"""AReaL's batch: named tensors, batch on dim 0 (`input_ids`, `attention_mask`, `loss_mask`)."""
+LossFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]
+WeightFn = Callable[[TensorDict], float]
 
 
-def token_count(mb: dict[str, Any]) -> float:
+def token_count(mb: TensorDict) -> float:
     """The usual `loss_weight_fn`: the micro-batch's loss tokens."""
     return float(mb["loss_mask"].sum())
 
@@ -60,7 +62,7 @@ class TrainEngine:
 
     kind = "actor"
 
-    def __init__(self, config: Mapping[str, Any] | Any = None) -> None:
+    def __init__(self, config: object = None) -> None:
         self.config = config
         self.engine: Any = None
 
@@ -98,7 +100,7 @@ class TrainEngine:
             raise RuntimeError(f"{type(self).__name__}: call initialize() first")
         return self.engine.model
 
-    def get_scheduling_config(self) -> dict[str, Any]:
+    def get_scheduling_config(self) -> dict[str, object]:
         """What a scheduler must give this engine: devices, CPUs and memory (GiB)."""
         params = sum(p.numel() for p in self.model.parameters())
         gpu = self.engine.device.type == "cuda"
@@ -118,7 +120,7 @@ class TrainEngine:
             torch.cuda.empty_cache()
 
     # -- data -------------------------------------------------------------------------
-    def _micro_batches(self, input_: dict[str, Any]) -> list[dict[str, Any]]:
+    def _micro_batches(self, input_: TensorDict) -> list[TensorDict]:
         mask = input_["attention_mask"]
         n = mask.shape[0]
         groups = split_by_tokens(mask, self.engine.config.micro_batch_tokens)
@@ -130,7 +132,7 @@ class TrainEngine:
             for rows in groups
         ]
 
-    def _output(self, mb: dict[str, Any]) -> torch.Tensor:
+    def _output(self, mb: TensorDict) -> torch.Tensor:
         ids, mask = mb["input_ids"], mb["attention_mask"]
         if self.kind == "critic":
             return self.engine.values(ids, mask)
@@ -141,9 +143,9 @@ class TrainEngine:
 
     def train_batch(
         self,
-        input_: dict[str, Any],
+        input_: TensorDict,
         loss_fn: LossFn | str,
-        loss_weight_fn: WeightFn | dict[str, Any] | None = None,
+        loss_weight_fn: WeightFn | Mapping[str, object] | None = None,
     ) -> dict[str, float]:
         """One optimizer step on `input_` (see the module docstring for the two forms)."""
         if isinstance(loss_fn, str):
@@ -176,7 +178,7 @@ class TrainEngine:
 
     @torch.no_grad()
     def eval_batch(
-        self, input_: dict[str, Any], loss_fn: LossFn, loss_weight_fn: WeightFn | None = None
+        self, input_: TensorDict, loss_fn: LossFn, loss_weight_fn: WeightFn | None = None
     ) -> torch.Tensor | None:
         """The batch's weighted loss without a gradient (None for an empty batch)."""
         weight_fn = loss_weight_fn or token_count
@@ -194,9 +196,9 @@ class TrainEngine:
     @torch.no_grad()
     def forward(
         self,
-        input_: dict[str, Any],
+        input_: TensorDict,
         output_seqlens: list[list[int]] | None = None,
-        post_hook: Callable[[torch.Tensor, dict[str, Any]], Any] | None = None,
+        post_hook: Callable[[torch.Tensor, TensorDict], Any] | None = None,
         aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
     ) -> Any | None:
         """The model's output per micro-batch (after `post_hook(output, mb)`), joined by
@@ -257,7 +259,7 @@ class TrainEngine:
         self.model.load_state_dict(state, strict=False)
 
 
-def _padded(input_: dict[str, Any]) -> Batch:
+def _padded(input_: TensorDict) -> Batch:
     return Batch(values=dict(input_), metadata={})
 
 
@@ -267,13 +269,13 @@ class Actor(TrainEngine):
     kind = "actor"
 
     @torch.no_grad()
-    def compute_logps(self, input_: dict[str, Any]) -> torch.Tensor:
+    def compute_logps(self, input_: TensorDict) -> torch.Tensor:
         """(B, T) logprob of each token under the current weights (0 at t = 0)."""
         return self.engine.compute_logprobs(_padded(input_))
 
     compute_logp = compute_logps  # the name the seed's training script calls
 
-    def compute_advantages_and_returns(self, input_: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def compute_advantages_and_returns(self, input_: TensorDict) -> dict[str, torch.Tensor]:
         """GAE when `input_` has critic `values`, else the group estimator `adv_estimator`
         over `rewards` (B,) with `group_index` (B,) (default: one group)."""
         mask = input_["loss_mask"].float()
@@ -292,7 +294,7 @@ class Actor(TrainEngine):
         adv = estimator(rewards, groups, mask)
         return {"advantages": adv, "returns": rewards[:, None] * mask}
 
-    def _loss(self, logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
         ids = mb["input_ids"].to(logits.device)
         pred = logits[:, :-1].float()
         picked = pred.gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(pred, -1)
@@ -307,7 +309,7 @@ class Actor(TrainEngine):
         )
         return loss
 
-    def ppo_update(self, input_: dict[str, Any]) -> list[dict[str, float]]:
+    def ppo_update(self, input_: TensorDict) -> list[dict[str, float]]:
         """One optimizer step per mini-batch (`ppo_n_minibatches` slices of the rows)."""
         return [
             self.train_batch(mb, loss_fn=self._loss, loss_weight_fn=token_count)
@@ -321,18 +323,18 @@ class Critic(TrainEngine):
     kind = "critic"
 
     @torch.no_grad()
-    def compute_values(self, input_: dict[str, Any]) -> torch.Tensor:
+    def compute_values(self, input_: TensorDict) -> torch.Tensor:
         """(B, T) values (the state before each token)."""
         values = self.forward(input_)
         if values is None:
             raise ValueError("compute_values: the batch has no rows")
         return values
 
-    def _loss(self, values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+    def _loss(self, values: torch.Tensor, mb: TensorDict) -> torch.Tensor:
         batch = {k: v.to(values.device) for k, v in mb.items() if isinstance(v, torch.Tensor)}
         return value_loss(values, batch, self._opt("value_clip", 0.2))
 
-    def ppo_update(self, input_: dict[str, Any]) -> list[dict[str, float]]:
+    def ppo_update(self, input_: TensorDict) -> list[dict[str, float]]:
         """Fit `returns` (from `Actor.compute_advantages_and_returns`), one step per
         mini-batch."""
         return [
@@ -341,7 +343,7 @@ class Critic(TrainEngine):
         ]
 
 
-def _minibatches(input_: dict[str, Any], n: int) -> list[dict[str, Any]]:
+def _minibatches(input_: TensorDict, n: int) -> list[TensorDict]:
     rows = input_["input_ids"].shape[0]
     if n < 1 or n > rows:
         raise ValueError(f"ppo_n_minibatches={n} must be between 1 and the batch's {rows} rows")

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from nexrl.inference.protocol import SamplingParams
 
@@ -109,7 +112,7 @@ class WeightUpdateMeta:
     alloc_mode: AllocationMode | None = None
     comm_backend: str | None = None
     version: int | None = None
-    state_dict: dict[str, Any] | None = None
+    state_dict: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.type not in WEIGHT_UPDATE_TYPES:

@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 
 from nexrl.algorithms.processor import collate
-from nexrl.rollout.workflow import EpisodeResult, RolloutWorkflow, as_trajectories
+from nexrl.rollout.workflow import EpisodeResult, RolloutWorkflow, Row, as_trajectories
 from nexrl.types import Trajectory
 
 __all__ = ["DistributedBatch", "RolloutWorkflow", "as_nexrl_workflow", "to_trajectories"]
@@ -69,12 +69,12 @@ def to_trajectories(result: Any, tokenizer: Any = None) -> list[Trajectory] | No
     return as_trajectories(result, tokenizer)
 
 
-def _rows(value: Any) -> torch.Tensor:
+def _rows(value: object) -> torch.Tensor:
     t = torch.as_tensor(value)
     return t.unsqueeze(0) if t.dim() == 1 else t
 
 
-def _from_tensors(out: Mapping[str, Any]) -> list[Trajectory]:
+def _from_tensors(out: Mapping[str, object]) -> list[Trajectory]:
     missing = [k for k in ("input_ids", "loss_mask") if k not in out]
     if missing:
         raise KeyError(f"arun_episode's tensor dict lacks {missing}; it has {sorted(out)}")
@@ -112,7 +112,7 @@ class _SeedWorkflow(RolloutWorkflow):
     def __init__(self, workflow: Any, engine: Any) -> None:
         self.workflow, self.engine = workflow, engine
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> EpisodeResult:
+    async def arun_episode(self, engine: object, data: Row) -> EpisodeResult:
         result = await self.workflow.arun_episode(self.engine, data)
         return cast(EpisodeResult, to_trajectories(result, getattr(self.engine, "tokenizer", None)))
 
@@ -126,7 +126,7 @@ def as_nexrl_workflow(workflow: Any, engine: Any) -> RolloutWorkflow:
 
 
 def accept_fn(
-    should_accept: Callable[[DistributedBatch], Any] | None, pad_token_id: int
+    should_accept: Callable[[DistributedBatch], object] | None, pad_token_id: int
 ) -> Callable[[list[Trajectory]], bool] | None:
     """The seed's `should_accept(x)` (x: the episode's tensors) for the executor, which
     hands over the episode's trajectories."""

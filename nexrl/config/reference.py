@@ -13,11 +13,14 @@ import dataclasses
 import inspect
 import json
 import typing
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
 from nexrl.config import options, schema
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -32,7 +35,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """A default as you would write it in yaml or on the command line: `null`, `true`,
     `sync`, `[jsonl, console]`, `{}`; `yaml.safe_load` of the text gives the value back."""
     if value is None:
@@ -48,7 +51,7 @@ def show(value: Any) -> str:
     return repr(value)
 
 
-def _rows(section: Any, prefix: str) -> list[str]:
+def _rows(section: DataclassInstance, prefix: str) -> list[str]:
     """Rows for one section *instance*, so a section built by a `default_factory` with
     its own values (`validate.data` is a `DataConfig` with `split="validation"`,
     `shuffle=False`, `num_epochs=1`) shows those, not the class defaults."""
@@ -58,7 +61,8 @@ def _rows(section: Any, prefix: str) -> list[str]:
     rows, nested = [], []
     for f in dataclasses.fields(cls):
         value = getattr(section, f.name)
-        if dataclasses.is_dataclass(hints[f.name]) and dataclasses.is_dataclass(value):
+        nested_section = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        if dataclasses.is_dataclass(hints[f.name]) and nested_section:
             nested.append((value, f"{prefix}{f.name}."))
             continue
         rows.append(f"| `{prefix}{f.name}` | `{show(value)}` | {docs.get(f.name, '')} |")
@@ -67,14 +71,14 @@ def _rows(section: Any, prefix: str) -> list[str]:
     return rows
 
 
-def schema_defaults() -> dict[str, Any]:
+def schema_defaults() -> dict[str, object]:
     """{dotted key: schema default} for every leaf key, as the page shows them."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
 
-    def walk(section: Any, prefix: str) -> None:
+    def walk(section: DataclassInstance, prefix: str) -> None:
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if dataclasses.is_dataclass(value):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 walk(value, f"{prefix}{f.name}.")
             else:
                 out[prefix + f.name] = value

@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 _HYDRA_KEY = re.compile(r"Could not override '([^']+)'|full_key: (\S+)")
 
 
-def _is_free_form(kind: Any) -> bool:
+def _is_free_form(kind: object) -> bool:
     """A field whose keys are the user's: `dict[...]`, `Any`, or an optional of those."""
     if kind is Any:
         return True
@@ -42,7 +42,7 @@ def _is_free_form(kind: Any) -> bool:
     return False
 
 
-def _schema_fields(cls: type) -> dict[str, Any]:
+def _schema_fields(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
 
 
@@ -85,7 +85,7 @@ def unknown_key_message(key: str) -> str:
     return text + " (every key: docs/configuration.md)"
 
 
-def _unknown(cfg: Mapping[str, Any], cls: type, prefix: str) -> Iterator[str]:
+def _unknown(cfg: Mapping[str, object], cls: type, prefix: str) -> Iterator[str]:
     fields = _schema_fields(cls)
     for key in cfg:
         dotted = f"{prefix}{key}"
@@ -97,12 +97,12 @@ def _unknown(cfg: Mapping[str, Any], cls: type, prefix: str) -> Iterator[str]:
             yield from _unknown(value, kind, dotted + ".")
 
 
-def unknown_keys(cfg: Mapping[str, Any]) -> list[str]:
+def unknown_keys(cfg: Mapping[str, object]) -> list[str]:
     """Dotted keys of `cfg` that the schema does not declare (free-form dicts skipped)."""
     return list(_unknown(cfg, RLTrainConfig, ""))
 
 
-def check_known_keys(cfg: Mapping[str, Any]) -> None:
+def check_known_keys(cfg: Mapping[str, object]) -> None:
     """Raise `ConfigError` naming the first unknown key and the likely intended one."""
     bad = unknown_keys(cfg)
     if bad:
@@ -111,7 +111,7 @@ def check_known_keys(cfg: Mapping[str, Any]) -> None:
 
 def free_form_parent(key: str) -> str | None:
     """The free-form dict field that `key` sits in (`algorithm.loss_kwargs`), if any."""
-    cls: Any = RLTrainConfig
+    cls: type = RLTrainConfig
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
         kind = _schema_fields(cls).get(part)
@@ -119,6 +119,8 @@ def free_form_parent(key: str) -> str | None:
             return None
         if _is_free_form(kind):
             return ".".join(parts[: i + 1])
+        if not isinstance(kind, type):  # a leaf (`int | None`, ...): nothing below it
+            return None
         cls = kind
     return None
 

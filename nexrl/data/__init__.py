@@ -6,7 +6,7 @@ also accepts an import path "pkg.module:ClassName" for user loaders.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nexrl.config.schema import DataConfig
@@ -15,7 +15,7 @@ from nexrl.data.hf import HFDataLoader, load_hf_dataset
 from nexrl.data.tasks import TASK_WRITERS, shift_word, write_shift_task, write_task
 from nexrl.registry import Registry, import_object
 
-DATALOADER_REGISTRY = Registry("data loader", "data.type")
+DATALOADER_REGISTRY: Registry[Callable[..., BaseDataLoader]] = Registry("data loader", "data.type")
 DATALOADER_REGISTRY.add("hf", HFDataLoader)
 DATALOADER_REGISTRY.add("torch", HFDataLoader)  # seed 000's name for the file-backed loader
 DATALOADER_REGISTRY.add("memory", InMemoryDataLoader)

@@ -26,16 +26,25 @@ import copy
 import functools
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from omegaconf import OmegaConf
 
 from nexrl.module import NexRLModule
-from nexrl.types import Task
+from nexrl.types import JSONDict, JSONValue, Task
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from nexrl.config.schema import DataConfig
+
+LoaderConfig: TypeAlias = "DataConfig | DictConfig | Mapping[str, object]"
+"""A loader's `data` section: the typed one, its DictConfig, or a plain mapping (tests)."""
+_R = TypeVar("_R")
 
 
-def item_to_state(item: dict[str, Any] | Task) -> dict[str, Any]:
+def item_to_state(item: JSONDict | Task) -> JSONDict:
     """A queued row or `Task` as JSON for a checkpoint.
 
     A Task keeps the bookkeeping that survives a restart (retries, aborts, tail);
@@ -51,20 +60,33 @@ def item_to_state(item: dict[str, Any] | Task) -> dict[str, Any]:
     }
 
 
-def item_from_state(state: Mapping[str, Any]) -> dict[str, Any] | Task:
+def item_from_state(state: Mapping[str, JSONValue]) -> JSONDict | Task:
     """The inverse of `item_to_state` (a bare row dict from older checkpoints is kept)."""
     if "row" not in state:
         return dict(state)
+    row = json_object(state["row"], "row")
     if "task" not in state:
-        return dict(state["row"])
-    book = state["task"]
+        return row
+    book = json_object(state["task"], "task")
     return Task(
-        data=dict(state["row"]),
+        data=row,
         is_validate=bool(state.get("is_validate", False)),
-        retries=int(book.get("retries", 0)),
-        aborts=int(book.get("aborts", 0)),
+        retries=int(json_number(book.get("retries", 0))),
+        aborts=int(json_number(book.get("aborts", 0))),
         tail=bool(book.get("tail", False)),
     )
+
+
+def json_object(value: JSONValue, key: str) -> JSONDict:
+    if not isinstance(value, dict):
+        raise ValueError(f"loader state: {key!r} of a returned item must be a JSON object")
+    return dict(value)
+
+
+def json_number(value: JSONValue) -> float | int | str:
+    if not isinstance(value, int | float | str):
+        raise ValueError(f"loader state: expected a number, got {value!r}")
+    return value
 
 
 def _queue(loader: BaseDataLoader) -> deque[Task]:
@@ -75,9 +97,11 @@ def _queue(loader: BaseDataLoader) -> deque[Task]:
     return loader._returned
 
 
-def _served_first(get_next: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _served_first(
+    get_next: Callable[[BaseDataLoader], _R],
+) -> Callable[[BaseDataLoader], _R | Task]:
     @functools.wraps(get_next)
-    def get_next_item(self: BaseDataLoader) -> Any:
+    def get_next_item(self: BaseDataLoader) -> _R | Task:
         queue = _queue(self)
         with self._lock:
             if queue:
@@ -87,7 +111,9 @@ def _served_first(get_next: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return get_next_item
 
 
-def _finished_when_empty(finished: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def _finished_when_empty(
+    finished: Callable[[BaseDataLoader], bool],
+) -> Callable[[BaseDataLoader], bool]:
     @functools.wraps(finished)
     def is_finished(self: BaseDataLoader) -> bool:
         return not _queue(self) and finished(self)
@@ -95,7 +121,7 @@ def _finished_when_empty(finished: Callable[[Any], bool]) -> Callable[[Any], boo
     return is_finished
 
 
-def _counted(length: Callable[[Any], int]) -> Callable[[Any], int]:
+def _counted(length: Callable[[BaseDataLoader], int]) -> Callable[[BaseDataLoader], int]:
     @functools.wraps(length)
     def __len__(self: BaseDataLoader) -> int:
         return len(_queue(self)) + length(self)
@@ -103,7 +129,7 @@ def _counted(length: Callable[[Any], int]) -> Callable[[Any], int]:
     return __len__
 
 
-def _cleared(reset: Callable[[Any], None]) -> Callable[[Any], None]:
+def _cleared(reset: Callable[[BaseDataLoader], None]) -> Callable[[BaseDataLoader], None]:
     @functools.wraps(reset)
     def do_reset(self: BaseDataLoader) -> None:
         _queue(self).clear()
@@ -112,36 +138,41 @@ def _cleared(reset: Callable[[Any], None]) -> Callable[[Any], None]:
     return do_reset
 
 
-_WRAPS = {
-    "get_next_item": _served_first,
-    "is_finished": _finished_when_empty,
-    "__len__": _counted,
-    "reset": _cleared,
-}
+def _wrap(cls: type[BaseDataLoader], name: str) -> Callable[[BaseDataLoader], object] | None:
+    """`cls`'s own `name` method wrapped to serve / count the given-back queue, if it has one."""
+    own = cls.__dict__.get(name)
+    if own is None:
+        return None
+    if name == "get_next_item":
+        return _served_first(own)
+    if name == "is_finished":
+        return _finished_when_empty(own)
+    return _counted(own) if name == "__len__" else _cleared(own)
 
 
 class BaseDataLoader(NexRLModule):
     """Serves tasks: returned items first, then the subclass's fresh stream."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         """A seed-000 loader's own `get_next_item` / `is_finished` / `__len__` / `reset`
         still serve and count the given-back queue (see the module docstring)."""
         super().__init_subclass__(**kwargs)
         if "add_item_front" in cls.__dict__:
             return  # the subclass keeps its own queue
-        for name, wrap in _WRAPS.items():
-            if name in cls.__dict__:
-                setattr(cls, name, wrap(cls.__dict__[name]))
+        for name in ("get_next_item", "is_finished", "__len__", "reset"):
+            wrapped = _wrap(cls, name)
+            if wrapped is not None:
+                setattr(cls, name, wrapped)
 
-    def __init__(self, config: Mapping[str, Any] | None = None, is_validate: bool = False) -> None:
+    def __init__(self, config: LoaderConfig | None = None, is_validate: bool = False) -> None:
         super().__init__()
-        self._config = config if config is not None else {}
+        self._config: LoaderConfig = config if config is not None else {}
         self._is_validate = is_validate
         self._lock = threading.RLock()
         self._returned: deque[Task] = deque()
 
     # ---- hooks for subclasses (called with the lock held) -----------------
-    def _next_fresh(self) -> dict[str, Any] | None:
+    def _next_fresh(self) -> JSONDict | None:
         """Next fresh item, or None when the fresh stream is exhausted."""
         raise NotImplementedError
 
@@ -165,10 +196,10 @@ class BaseDataLoader(NexRLModule):
         with self._lock:
             return len(self._returned) + self._fresh_remaining()
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> JSONDict:
         raise NotImplementedError(f"{type(self).__name__} does not support indexing")
 
-    def get_next_item(self) -> dict[str, Any] | None:
+    def get_next_item(self) -> JSONDict | Task | None:
         """The next task (a returned one first), or None if nothing is left."""
         with self._lock:
             if self._returned:
@@ -190,23 +221,23 @@ class BaseDataLoader(NexRLModule):
             self._returned.clear()
             self._reset_fresh()
 
-    def add_item(self, item: dict[str, Any]) -> None:
+    def add_item(self, item: JSONDict | Task) -> None:
         """Same as `add_item_back`."""
         self.add_item_back(item)
 
-    def add_item_front(self, item: dict[str, Any] | Task) -> None:
+    def add_item_front(self, item: JSONDict | Task) -> None:
         """Give an item back; it is served next."""
         task = self._as_task(item)
         with self._lock:
             _queue(self).appendleft(task)
 
-    def add_item_back(self, item: dict[str, Any] | Task) -> None:
+    def add_item_back(self, item: JSONDict | Task) -> None:
         """Give an item back; it is served after the other returned items, before fresh data."""
         task = self._as_task(item)
         with self._lock:
             _queue(self).append(task)
 
-    def _as_task(self, item: dict[str, Any] | Task) -> Task:
+    def _as_task(self, item: JSONDict | Task) -> Task:
         if isinstance(item, Task):
             return item
         return Task(data=dict(item), is_validate=getattr(self, "_is_validate", False))
@@ -216,15 +247,22 @@ class BaseDataLoader(NexRLModule):
         with self._lock:
             return copy.deepcopy(list(_queue(self)))
 
-    def returned_state(self) -> list[dict[str, Any]]:
+    def returned_state(self) -> list[JSONValue]:
         """The queued returned items as JSON (`item_to_state`), for checkpoints: a re-queued
         `Task` must survive `json.dumps`."""
         with self._lock:
             return [item_to_state(item) for item in _queue(self)]
 
-    def _restore_returned(self, items: list[Mapping[str, Any]]) -> None:
+    def _restore_returned(self, items: list[Mapping[str, JSONValue]]) -> None:
         with self._lock:
             self._returned = deque(map(self._as_task, map(item_from_state, items)))
+
+
+def _rows_of(rows: object) -> list[Mapping[str, JSONValue]]:
+    """`data.items` as rows: a list of mappings (a clear error names anything else)."""
+    if not isinstance(rows, list | tuple) or not all(isinstance(r, Mapping) for r in rows):
+        raise ValueError(f"data.items must be a list of row mappings, got {rows!r:.80}")
+    return list(rows)
 
 
 class InMemoryDataLoader(BaseDataLoader):
@@ -238,26 +276,26 @@ class InMemoryDataLoader(BaseDataLoader):
 
     def __init__(
         self,
-        config: Any = None,
+        config: LoaderConfig | None = None,
         is_validate: bool = False,
-        items: list[dict[str, Any]] | None = None,
+        items: list[JSONDict] | None = None,
     ) -> None:
         super().__init__(config, is_validate)
         rows = items if items is not None else self._config_rows()
-        if OmegaConf.is_config(rows):
-            rows = OmegaConf.to_container(rows, resolve=True)
-        self._rows = [dict(r) for r in rows]
+        self._rows: list[JSONDict] = [dict(r) for r in rows]
         self._pos = 0
 
-    def _config_rows(self) -> Any:
+    def _config_rows(self) -> Sequence[Mapping[str, JSONValue]]:
         config = self._config
-        if isinstance(config, Mapping) or OmegaConf.is_dict(config):
+        if isinstance(config, Mapping):  # a DictConfig is a Mapping too
             rows = config.get("items", None)
             path = config.get("path", None)
         else:  # the typed `data` section
             rows, path = getattr(config, "items", None), getattr(config, "path", None)
+        if OmegaConf.is_config(rows):
+            rows = OmegaConf.to_container(rows, resolve=True)
         if rows or path is None:
-            return rows or []
+            return _rows_of(rows or [])
         from nexrl.config.schema import DataConfig
         from nexrl.data.hf import load_configured, load_hf_dataset
 
@@ -267,10 +305,10 @@ class InMemoryDataLoader(BaseDataLoader):
         split = getattr(config, "split", None) or "train"
         return list(load_hf_dataset(str(path), split))
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> JSONDict:
         return {**self._rows[index], "index": index, "uid": f"0-{index}"}
 
-    def _next_fresh(self) -> dict[str, Any] | None:
+    def _next_fresh(self) -> JSONDict | None:
         if self._pos >= len(self._rows):
             return None
         self._pos += 1
@@ -282,7 +320,7 @@ class InMemoryDataLoader(BaseDataLoader):
     def _reset_fresh(self) -> None:
         self._pos = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JSONDict:
         """JSON-serialisable state: position, returned items and the row count."""
         with self._lock:
             return {
@@ -291,7 +329,7 @@ class InMemoryDataLoader(BaseDataLoader):
                 "num_rows": len(self._rows),
             }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, JSONValue]) -> None:
         """Restore a `state_dict()`; fails if the number of rows changed."""
         if state.get("num_rows") != len(self._rows):
             raise ValueError(
@@ -299,5 +337,8 @@ class InMemoryDataLoader(BaseDataLoader):
                 f"{len(self._rows)} rows; cannot resume exactly"
             )
         with self._lock:
-            self._pos = int(state["position"])
-            self._restore_returned(list(state.get("returned", [])))
+            self._pos = int(json_number(state["position"]))
+            returned = state.get("returned", [])
+            if not isinstance(returned, list):
+                raise ValueError("loader state: 'returned' must be a list")
+            self._restore_returned([json_object(item, "returned") for item in returned])

@@ -29,20 +29,26 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nexrl.config.schema import DataConfig, ValidateConfig
-from nexrl.data.base import BaseDataLoader
+from nexrl.data.base import BaseDataLoader, json_number, json_object
+from nexrl.types import JSONDict, JSONValue
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 
-def as_data_config(config: DataConfig | Mapping[str, Any], is_validate: bool = False) -> DataConfig:
+def as_data_config(
+    config: DataConfig | Mapping[str, object], is_validate: bool = False
+) -> DataConfig:
     """The typed `data` section; a plain mapping must use its keys only, and what it leaves
     out takes the schema's default for `data` (or for `validate.data`)."""
     if isinstance(config, DataConfig):
         return config
-    raw = {k: v for k, v in dict(config).items() if v is not None}
+    raw: dict[str, Any] = {k: v for k, v in dict(config).items() if v is not None}
     valid = set(DataConfig.__dataclass_fields__)
     unknown = sorted(set(raw) - valid)
     if unknown:
@@ -58,7 +64,12 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 class HFDataLoader(BaseDataLoader):
     """Rows of a `datasets.Dataset`, each returned with `index` (row) and `uid` (epoch, row)."""
 
-    def __init__(self, config: DataConfig | Mapping[str, Any], is_validate: bool = False) -> None:
+    _block: list[JSONDict]  # rows read ahead (`_block_rows`)
+    _block_start: int | None
+
+    def __init__(
+        self, config: DataConfig | Mapping[str, object], is_validate: bool = False
+    ) -> None:
         config = as_data_config(config, is_validate)
         super().__init__(config, is_validate)
         if not config.path:
@@ -91,13 +102,13 @@ class HFDataLoader(BaseDataLoader):
             return np.arange(self.num_rows)
         return np.random.default_rng([self._seed, epoch]).permutation(self.num_rows)
 
-    def _row(self, index: int, epoch: int, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _row(self, index: int, epoch: int, data: JSONDict | None = None) -> JSONDict:
         prefix = "val-" if self._is_validate else ""
         if data is None:
             data = self._dataset[int(index)]
         return {**data, "index": int(index), "uid": f"{prefix}{epoch}-{index}"}
 
-    def _block_rows(self, pos: int) -> list[dict[str, Any]]:
+    def _block_rows(self, pos: int) -> list[JSONDict]:
         """The rows at cursor positions [start, start + READ_BLOCK) of this epoch's order
         (start: `pos` rounded down), read in one table query: a query per row costs ~20 us
         of interpreter time on the path every rollout task takes."""
@@ -113,11 +124,11 @@ class HFDataLoader(BaseDataLoader):
     def _set_epoch(self, epoch: int, pos: int = 0) -> None:
         self._epoch, self._pos = epoch, pos
         self._order = self._permutation(epoch)
-        self._block: list[dict[str, Any]] = []  # rows read ahead (`_block_rows`)
+        self._block = []
         self._block_start: int | None = None
 
     # ---- BaseDataLoader hooks --------------------------------------------
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> JSONDict:
         if not 0 <= index < self.num_rows:
             raise IndexError(f"{self._path}: row {index} out of range [0, {self.num_rows})")
         with self._lock:
@@ -131,7 +142,7 @@ class HFDataLoader(BaseDataLoader):
             return self.num_rows - self._pos
         return max(0, (self._num_epochs - self._epoch) * self.num_rows - self._pos)
 
-    def _next_fresh(self) -> dict[str, Any] | None:
+    def _next_fresh(self) -> JSONDict | None:
         if self._fresh_exhausted():
             return None
         pos = self._pos
@@ -146,7 +157,7 @@ class HFDataLoader(BaseDataLoader):
         self._set_epoch(0)
 
     # ---- checkpoint -------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JSONDict:
         """JSON-serialisable state: cursor, returned items and a dataset fingerprint."""
         with self._lock:
             return {
@@ -158,7 +169,7 @@ class HFDataLoader(BaseDataLoader):
                 "num_rows": self.num_rows,
             }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, JSONValue]) -> None:
         """Restore a `state_dict()`; fails if the dataset size, seed or shuffle changed."""
         for key, mine in (("num_rows", self.num_rows), ("seed", self._seed)):
             if state.get(key) != mine:
@@ -169,11 +180,14 @@ class HFDataLoader(BaseDataLoader):
         if state.get("shuffle", self._shuffle) != self._shuffle:
             raise ValueError(f"{self._path}: loader state was saved with a different shuffle")
         with self._lock:
-            self._set_epoch(int(state["epoch"]), int(state["position"]))
-            self._restore_returned(list(state.get("returned", [])))
+            self._set_epoch(int(json_number(state["epoch"])), int(json_number(state["position"])))
+            returned = state.get("returned", [])
+            if not isinstance(returned, list):
+                raise ValueError(f"{self._path}: loader state 'returned' must be a list")
+            self._restore_returned([json_object(item, "returned") for item in returned])
 
 
-def load_configured(config: DataConfig, is_validate: bool = False) -> Any:
+def load_configured(config: DataConfig, is_validate: bool = False) -> Dataset:
     """The table a `data` section names: `path` (with its configuration `name`), its first
     `max_items` rows, each passed through `map_fn`."""
     section = "validate.data" if is_validate else "data"
@@ -198,7 +212,7 @@ def load_configured(config: DataConfig, is_validate: bool = False) -> Any:
     return ds
 
 
-def load_hf_dataset(path: str, split: str = "train"):
+def load_hf_dataset(path: str, split: str = "train") -> Dataset:
     """Load a `datasets.Dataset` from a file, a saved dataset directory or a data directory."""
     import datasets
 
@@ -251,7 +265,7 @@ def _load_error(path: Path, exc: Exception) -> str:
     return f"{path}: cannot load dataset: {exc}"
 
 
-def validate_rows(ds: Any, prompt_key: str, path: str) -> None:
+def validate_rows(ds: Dataset, prompt_key: str, path: str) -> None:
     """Every row must have `prompt_key`: a non-empty str or a list of chat-message dicts."""
     if len(ds) == 0:
         raise ValueError(f"{path}: dataset has no rows")

@@ -22,9 +22,17 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from nexrl.data.hf import load_hf_dataset
+from nexrl.types import JSONDict
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+DataFiles: TypeAlias = "str | list[str] | dict[str, str] | dict[str, list[str]] | None"
+MapFn: TypeAlias = "Callable[[JSONDict, int], JSONDict]"
+"""`map_fn(example, idx)`: the new row."""
 
 __all__ = [
     "apply_map",
@@ -53,8 +61,8 @@ def load_dataset(
     path: str,
     name: str | None = None,
     split: str = "train",
-    data_files: Any = None,
-) -> Any:
+    data_files: DataFiles = None,
+) -> Dataset:
     """One split of a dataset named by Hub id or local path, as a `datasets.Dataset`."""
     import datasets
 
@@ -70,7 +78,7 @@ def load_dataset(
         ) from exc
 
 
-def split_dataset_by_node(dataset: Any, rank: int, world_size: int) -> Any:
+def split_dataset_by_node(dataset: Dataset, rank: int, world_size: int) -> Dataset:
     """Rank `rank`'s share of `dataset` (the `datasets` library's own split)."""
     from datasets.distributed import split_dataset_by_node as split
 
@@ -79,7 +87,7 @@ def split_dataset_by_node(dataset: Any, rank: int, world_size: int) -> Any:
     return split(dataset, rank=rank, world_size=world_size)
 
 
-def import_fn(spec: str) -> Callable[..., Any]:
+def import_fn(spec: str) -> Callable[..., object]:
     """`package.module:function` as the function (a clear error names the spec)."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
@@ -90,19 +98,19 @@ def import_fn(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def apply_map(dataset: Any, fn: Callable[..., Any] | str, key: str = "map_fn") -> Any:
+def apply_map(dataset: Dataset, fn: MapFn | str, key: str = "map_fn") -> Dataset:
     """`dataset.map(fn, with_indices=True)`: `fn(example, idx)` returns the new row. An
     error in `fn` is re-raised naming `key` (the config key) and the row's index."""
     if isinstance(fn, str):
         try:
-            func = import_fn(fn)
+            func: Callable[..., object] = import_fn(fn)
         except (ImportError, ValueError) as exc:
             raise ValueError(f"{key}: {exc}") from exc
     else:
         func = fn
     label = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
 
-    def row_fn(example: dict[str, Any], idx: int) -> Any:
+    def row_fn(example: JSONDict, idx: int) -> object:
         try:
             return func(example, idx)
         except Exception as exc:
@@ -115,11 +123,11 @@ def prepare_dataset(
     path: str,
     name: str | None = None,
     split: str = "train",
-    data_files: Any = None,
-    map_fn: Callable[..., Any] | str | None = None,
+    data_files: DataFiles = None,
+    map_fn: MapFn | str | None = None,
     rank: int = 0,
     world_size: int = 1,
-) -> Any:
+) -> Dataset:
     """Load, preprocess with `map_fn`, then keep rank `rank`'s share."""
     ds = load_dataset(path, name, split, data_files)
     if map_fn is not None:

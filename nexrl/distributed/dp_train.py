@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nexrl.distributed.virtual_cluster import RayVirtualCluster
 from nexrl.distributed.worker_group import RayWorkerGroup
+from nexrl.protocols import TrainWorkerLike
 from nexrl.training.client import TrainServiceClient
 from nexrl.training.parallel import shard_batch
 from nexrl.types import Batch
@@ -118,7 +119,10 @@ class RayDataParallelTrainClient:
 
     def get_step(self) -> int:
         group = self._group()
-        return group.get_results([group.workers[0].call.remote("get_step")])[0]
+        step = group.get_results([group.workers[0].call.remote("get_step")])[0]
+        if not isinstance(step, int):
+            raise TypeError(f"get_step: rank 0 answered {step!r}")
+        return step
 
     def close(self) -> None:
         if self.group is not None:
@@ -128,7 +132,7 @@ class RayDataParallelTrainClient:
         self.group = self.cluster = None
 
 
-def build_ray_train_worker(cfg: DictConfig) -> Any:
+def build_ray_train_worker(cfg: DictConfig) -> TrainWorkerLike:
     """TRAIN_WORKER builder for Ray mode: data-parallel ranks when `ray.train_ranks` asks."""
     from nexrl.builders import build_train_worker, engine_config
     from nexrl.distributed.settings import RaySettings, actor_env

@@ -23,7 +23,7 @@ import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
@@ -33,6 +33,9 @@ from nexrl.inference.protocol import GenerationRequest, SamplingParams, WeightUp
 from nexrl.inference.sampler import encode_text
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
+
+if TYPE_CHECKING:
+    from nexrl.training.client import TrainServiceClient
 
 __all__ = [
     "BatchedDataDict",
@@ -64,7 +67,7 @@ class BatchedDataDict(dict[str, Any]):
     """Named columns of one length (lists or tensors whose first dimension is the row)."""
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> BatchedDataDict:
+    def from_rows(cls, rows: Sequence[Mapping[str, object]]) -> BatchedDataDict:
         keys = list(rows[0]) if rows else []
         missing = [(i, k) for i, r in enumerate(rows) for k in keys if k not in r]
         if missing:
@@ -75,7 +78,7 @@ class BatchedDataDict(dict[str, Any]):
     def size(self) -> int:
         return len(next(iter(self.values()))) if self else 0
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, object]]:
         return [{k: v[i] for k, v in self.items()} for i in range(self.size)]
 
     def repeat_interleave(self, num_repeats: int) -> BatchedDataDict:
@@ -92,7 +95,7 @@ class BatchedDataDict(dict[str, Any]):
         return self
 
 
-def batches(rows: Sequence[Mapping[str, Any]], batch_size: int) -> Iterator[BatchedDataDict]:
+def batches(rows: Sequence[Mapping[str, object]], batch_size: int) -> Iterator[BatchedDataDict]:
     """The seed's `dataloader`: consecutive `BatchedDataDict`s of `batch_size` rows."""
     for start in range(0, len(rows) - batch_size + 1, batch_size):
         yield BatchedDataDict.from_rows(rows[start : start + batch_size])
@@ -132,7 +135,7 @@ class GRPOLossFn:
     kl_estimator: str = "k3"
     agg_mode: str = "token-mean"
 
-    def loss_kwargs(self) -> dict[str, Any]:
+    def loss_kwargs(self) -> dict[str, object]:
         """The train engine's `loss_kwargs` (`nexrl.algorithms.objective.compute_loss`)."""
         out = dataclasses.asdict(self)
         del out["name"]
@@ -177,7 +180,7 @@ class Policy:
         self,
         model_path: str,
         engine: EngineConfig | Mapping[str, Any] | None = None,
-        client: Any = None,
+        client: TrainServiceClient | None = None,
         pad_token_id: int = 0,
     ) -> None:
         if client is None:

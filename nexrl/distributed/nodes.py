@@ -17,23 +17,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+_R = TypeVar("_R")
 
-def run_on_node(node_id: str, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> Any:
+
+def run_on_node(node_id: str, fn: Callable[..., _R], *args: object, timeout: float = 600.0) -> _R:
     """`fn(*args)` in a Ray task on node `node_id` (hex); fails if that node is gone."""
     task = ray.remote(_call).options(
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         max_retries=0,
     )
-    return ray.get(task.remote(fn, *args), timeout=timeout)
+    result: _R = ray.get(task.remote(fn, *args), timeout=timeout)
+    return result
 
 
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
+def _call(fn: Callable[..., _R], *args: object) -> _R:
     return fn(*args)
 
 

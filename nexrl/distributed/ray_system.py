@@ -66,7 +66,7 @@ def check_layout(cfg: DictConfig, colocation: dict[str, str | None]) -> None:
         )
 
 
-def build_ray_train_worker(cfg: DictConfig) -> Any:
+def build_ray_train_worker(cfg: DictConfig) -> TrainWorkerLike:
     """TRAIN_WORKER in Ray mode: a data-parallel worker group when `ray.train_ranks` asks."""
     from nexrl.distributed.dp_train import build_ray_train_worker as build
 

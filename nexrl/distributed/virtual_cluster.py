@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -129,5 +129,5 @@ class RayVirtualCluster:
         self._groups = []
 
 
-def _pick(resources: dict[str, Any], keys: dict[str, Any]) -> dict[str, float]:
+def _pick(resources: Mapping[str, float], keys: Iterable[str]) -> dict[str, float]:
     return {k: float(resources.get(k, 0.0)) for k in keys}

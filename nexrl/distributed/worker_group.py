@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import ray
+from ray import ObjectRef
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nexrl.distributed.resource_manager import runtime_env_for
@@ -37,7 +37,7 @@ class RayWorker:
 
     def __init__(self, env: dict[str, str]) -> None:
         os.environ.update(env)
-        self._obj: Any = None
+        self._obj: object = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's IP, a free port): where rank 0 hosts the process group."""
@@ -46,11 +46,17 @@ class RayWorker:
             port = int(s.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
-    def build(self, env: dict[str, str], factory: Callable[..., Any], args: tuple, kwargs: dict):
+    def build(
+        self,
+        env: dict[str, str],
+        factory: Callable[..., object],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> None:
         os.environ.update(env)
         self._obj = factory(*args, **kwargs)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: str, *args: object, **kwargs: object) -> object:
         return getattr(self._obj, method)(*args, **kwargs)
 
     def env(self, key: str) -> str | None:
@@ -63,13 +69,13 @@ class RayWorkerGroup:
     def __init__(
         self,
         cluster: RayVirtualCluster,
-        factory: Callable[..., Any],
-        *args: Any,
+        factory: Callable[..., object],
+        *args: object,
         tied_group_size: int = 1,
         num_cpus_per_worker: float | None = None,
         num_gpus_per_worker: float | None = None,
         env_vars: dict[str, str] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         world = cluster.world_size
         if tied_group_size < 1 or world % tied_group_size:
@@ -112,13 +118,15 @@ class RayWorkerGroup:
     def num_tied_groups(self) -> int:
         return len(self.workers) // self.tied_group_size
 
-    def run_all_workers_single_data(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run_all_workers_single_data(
+        self, method: str, *args: object, **kwargs: object
+    ) -> list[ObjectRef[object]]:
         """Every worker runs `method(*args, **kwargs)`; one ObjectRef per worker."""
         return [w.call.remote(method, *args, **kwargs) for w in self.workers]
 
     def run_all_workers_multiple_data(
-        self, method: str, data: list[Any], *args: Any, **kwargs: Any
-    ) -> list[Any]:
+        self, method: str, data: Sequence[object], *args: object, **kwargs: object
+    ) -> list[ObjectRef[object]]:
         """Tied group g (ranks g*k .. g*k+k-1) runs `method(data[g], ...)`."""
         if len(data) != self.num_tied_groups:
             raise ValueError(
@@ -130,7 +138,9 @@ class RayWorkerGroup:
             for rank, w in enumerate(self.workers)
         ]
 
-    def get_results(self, refs: list[Any], timeout: float | None = None) -> list[Any]:
+    def get_results(
+        self, refs: list[ObjectRef[object]], timeout: float | None = None
+    ) -> list[object]:
         return ray.get(refs, timeout=timeout if timeout is not None else default_timeout())
 
     def shutdown(self) -> None:

@@ -15,11 +15,35 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from types import TracebackType
+from typing import Protocol, TypedDict, runtime_checkable
 
 from nexrl.inference.tool_parsers import ParseFailure, ToolCall
+
+
+class ToolFunction(TypedDict):
+    name: str
+    description: str
+    parameters: dict[str, object]
+    """The arguments' JSON Schema."""
+
+
+class ToolSchema(TypedDict):
+    """An OpenAI tool schema, as `list_tools` returns them."""
+
+    type: str
+    function: ToolFunction
+
+
+class ToolMessage(TypedDict):
+    """An OpenAI `tool` message: one call's result for the model."""
+
+    role: str
+    tool_call_id: str
+    name: str
+    content: str
 
 
 @dataclass
@@ -33,12 +57,12 @@ class ToolResult:
     truncated: bool = False
 
 
-class ToolList(list):
+class ToolList(list[ToolSchema]):
     """Tool schemas that are a plain list *and* awaitable: `env.list_tools()` reads as the
     seed's synchronous call (`apply_chat_template(msgs, tools=env.list_tools())`) and as
     nexrl's `await env.list_tools()`."""
 
-    def __await__(self):
+    def __await__(self) -> Generator[object, None, ToolList]:
         return self._itself().__await__()
 
     async def _itself(self) -> ToolList:
@@ -46,10 +70,15 @@ class ToolList(list):
 
     # The coroutine protocol, so `asyncio.run(env.list_tools())` and `create_task` take it
     # as they took the coroutine `list_tools` once returned: it finishes at the first step.
-    def send(self, value: Any) -> None:
+    def send(self, value: object) -> None:
         raise StopIteration(self)
 
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> None:
+    def throw(
+        self,
+        typ: type[BaseException] | BaseException,
+        val: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
         raise val if val is not None else typ
 
     def close(self) -> None:
@@ -87,17 +116,17 @@ class ToolingEnv(Protocol):
     richer form of `aexecute` (a `ToolResult` with error flag and latency).
     """
 
-    async def list_tools(self) -> list[dict[str, Any]]:
+    def list_tools(self) -> Awaitable[list[ToolSchema]]:
         """OpenAI tool schemas: `{"type": "function", "function": {name, description,
         parameters}}`."""
         ...
 
-    async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult: ...
+    async def call_tool(self, name: str, arguments: Mapping[str, object]) -> ToolResult: ...
 
     async def aclose(self) -> None: ...
 
 
-async def aexecute(env: ToolingEnv, tool_name: str, tool_args: dict[str, Any]) -> str:
+async def aexecute(env: ToolingEnv, tool_name: str, tool_args: Mapping[str, object]) -> str:
     """Seed 004's `aexecute`: the call's text (an error is text the model reads too)."""
     return (await env.call_tool(tool_name, tool_args)).content
 
@@ -150,7 +179,7 @@ class CallLimits:
     max_output_chars: int = 8192
 
 
-def render_output(value: Any) -> str:
+def render_output(value: object) -> str:
     """A tool's return value as tool-message text: strings as they are, the rest as JSON."""
     if isinstance(value, str):
         return value
@@ -193,7 +222,7 @@ async def run_tool_calls(
     calls: list[ToolCall],
     failures: Sequence[ParseFailure] = (),
     metrics: ToolMetrics | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ToolMessage]:
     """Execute parsed calls concurrently; return OpenAI `tool` messages in call order.
 
     Parse failures are never executed; they are counted in `metrics` (default: the env's

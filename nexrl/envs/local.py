@@ -16,17 +16,20 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
 
 from nexrl.envs.base import (
     CallLimits,
+    ToolFunction,
     ToolList,
     ToolMetrics,
     ToolResult,
+    ToolSchema,
     aexecute,
     guarded_call,
     render_output,
@@ -34,6 +37,9 @@ from nexrl.envs.base import (
 
 _SECTION = re.compile(r"^(?:Args|Arguments|Parameters):\n((?:[ \t]+.*(?:\n|$)|\n)*)", re.M)
 _ARG = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
@@ -61,16 +67,16 @@ class LocalTool:
     """A registered function, its argument model and its OpenAI schema."""
 
     name: str
-    fn: Callable[..., Any]
+    fn: Callable[..., object]
     args_model: type[BaseModel]
-    schema: dict[str, Any]
+    schema: ToolSchema
 
     @classmethod
-    def from_function(cls, fn: Callable[..., Any], name: str | None = None) -> LocalTool:
+    def from_function(cls, fn: Callable[..., object], name: str | None = None) -> LocalTool:
         name = name or fn.__name__
         description, arg_docs = parse_docstring(fn.__doc__)
         hints = get_type_hints(fn)
-        fields: dict[str, Any] = {}
+        fields: dict[str, tuple[object, FieldInfo]] = {}
         for pname, param in inspect.signature(fn).parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {name!r}: *args/**kwargs cannot be described to a model")
@@ -85,7 +91,11 @@ class LocalTool:
         parameters.pop("title", None)
         for prop in parameters.get("properties", {}).values():
             prop.pop("title", None)
-        function = {"name": name, "description": description, "parameters": parameters}
+        function: ToolFunction = {
+            "name": name,
+            "description": description,
+            "parameters": parameters,
+        }
         return cls(name, fn, model, {"type": "function", "function": function})
 
 
@@ -100,7 +110,7 @@ class LocalToolingEnv:
 
     def __init__(
         self,
-        tools: list[Callable[..., Any]] | None = None,
+        tools: list[Callable[..., object]] | None = None,
         *,
         timeout_s: float | None = 30.0,
         max_output_chars: int = 8192,
@@ -111,7 +121,7 @@ class LocalToolingEnv:
         for fn in tools or []:
             self.register_tool(fn)
 
-    def register_tool(self, fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+    def register_tool(self, fn: _F, name: str | None = None) -> _F:
         """Add `fn` as a tool (usable as a decorator); a duplicate name is an error."""
         if not callable(fn):
             raise TypeError(f"register_tool needs a callable, got {type(fn).__name__}")
@@ -126,17 +136,17 @@ class LocalToolingEnv:
         return ToolList(t.schema for t in self._tools.values())
 
     @staticmethod
-    def generate_schema(func: Callable[..., Any]) -> dict[str, Any]:
+    def generate_schema(func: Callable[..., object]) -> ToolSchema:
         """The OpenAI tool schema of `func` (from its type hints and docstring)."""
         return LocalTool.from_function(func).schema
 
     @property
-    def tool_registry(self) -> dict[str, Callable[..., Any]]:
+    def tool_registry(self) -> dict[str, Callable[..., object]]:
         """Seed 004's name: tool name -> the registered function (a copy)."""
         return {name: t.fn for name, t in self._tools.items()}
 
     @property
-    def tool_schemas(self) -> list[dict[str, Any]]:
+    def tool_schemas(self) -> list[ToolSchema]:
         """Seed 004's name for the schema list (`list_tools()`)."""
         return self.list_tools()
 
@@ -145,11 +155,11 @@ class LocalToolingEnv:
     async def ainitialize(self) -> None:
         """Seed 004's setup hook; local tools need none."""
 
-    async def aexecute(self, tool_name: str, tool_args: dict[str, Any]) -> str:
+    async def aexecute(self, tool_name: str, tool_args: Mapping[str, object]) -> str:
         """Seed 004's call: the text the model reads (errors included, never raised)."""
         return await aexecute(self, tool_name, tool_args)
 
-    async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+    async def call_tool(self, name: str, arguments: Mapping[str, object]) -> ToolResult:
         async def run() -> tuple[str, bool]:
             tool = self._tools.get(name)
             if tool is None:

@@ -18,7 +18,8 @@ env:` still works).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
 from nexrl.envs.base import (
     CallLimits,
@@ -26,9 +27,14 @@ from nexrl.envs.base import (
     ToolList,
     ToolMetrics,
     ToolResult,
+    ToolSchema,
     aexecute,
     guarded_call,
 )
+
+if TYPE_CHECKING:
+    from mcp import StdioServerParameters
+    from mcp.types import CallToolResult
 
 
 def _import_mcp():
@@ -50,7 +56,7 @@ class MCPToolingEnv:
 
     def __init__(
         self,
-        server: str | list[str] | Any,
+        server: str | list[str] | MCPToolingEnvConfig | StdioServerParameters,
         *,
         env: dict[str, str] | None = None,
         timeout_s: float | None = 30.0,
@@ -70,7 +76,7 @@ class MCPToolingEnv:
         self._leave: asyncio.Event | None = None
         self.limits = CallLimits(timeout_s, max_output_chars)
         self.metrics = ToolMetrics()
-        self.tool_schemas: list[dict[str, Any]] | None = None  # set by `ainitialize`
+        self.tool_schemas: list[ToolSchema] | None = None  # set by `ainitialize`
 
     @property
     def is_initialized(self) -> bool:
@@ -82,11 +88,11 @@ class MCPToolingEnv:
         self.tool_schemas = await self._fetch_tools()
 
     @property
-    def tool_registry(self) -> dict[str, Any]:
+    def tool_registry(self) -> dict[str, Callable[..., Awaitable[str]]]:
         """Seed 004's name: tool name -> an async callable running it on the server."""
 
-        def caller(name: str) -> Any:
-            async def call(**kwargs: Any) -> str:
+        def caller(name: str) -> Callable[..., Awaitable[str]]:
+            async def call(**kwargs: object) -> str:
                 return await self.aexecute(name, kwargs)
 
             return call
@@ -94,7 +100,7 @@ class MCPToolingEnv:
         names = [t["function"]["name"] for t in self.tool_schemas or []]
         return {name: caller(name) for name in names}
 
-    async def aexecute(self, tool_name: str, tool_args: dict[str, Any]) -> str:
+    async def aexecute(self, tool_name: str, tool_args: Mapping[str, object]) -> str:
         """Seed 004's call: the text the model reads (errors included, never raised)."""
         return await aexecute(self, tool_name, tool_args)
 
@@ -127,14 +133,14 @@ class MCPToolingEnv:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def list_tools(self) -> Any:
+    def list_tools(self) -> Awaitable[list[ToolSchema]]:
         """The tools' OpenAI schemas: after `ainitialize` a `ToolList` (a list, awaitable
         too), before it a coroutine that asks the server."""
         if self.tool_schemas is not None:
             return ToolList(self.tool_schemas)
         return self._fetch_tools()
 
-    async def _fetch_tools(self) -> list[dict[str, Any]]:
+    async def _fetch_tools(self) -> list[ToolSchema]:
         await self.connect()
         listing = await self._client.list_tools()
         return [
@@ -149,7 +155,7 @@ class MCPToolingEnv:
             for t in listing.tools
         ]
 
-    async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+    async def call_tool(self, name: str, arguments: Mapping[str, object]) -> ToolResult:
         async def run() -> tuple[str, bool]:
             await self.connect()
             result = await self._client.call_tool(name, arguments or {})
@@ -166,7 +172,7 @@ class MCPToolingEnv:
         await owner
 
 
-def _text(result: Any) -> str:
+def _text(result: CallToolResult) -> str:
     """A `CallToolResult` as text: its text blocks joined; other blocks named by type."""
     parts = []
     for block in result.content:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from nexrl.inference.protocol import GenerationResponse, SamplingParams
 from nexrl.inference.tool_parsers import ParseFailure, ToolCall, ToolCallParser
@@ -46,7 +47,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: dict[str, JsonValue] | None = None
     rid: str | None = None
     ignore_eos: bool = False
 
@@ -74,12 +75,12 @@ class CompletionRequest(_Sampling):
 
 
 class ChatRequest(_Sampling):
-    messages: list[Any] = Field(..., min_length=1)
+    messages: list[JsonValue] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: Count | None = None
     max_completion_tokens: Count | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, JsonValue]] | None = None
+    tool_choice: str | dict[str, JsonValue] | None = None
     parallel_tool_calls: bool | None = None  # accepted; every parsed call is returned
 
 
@@ -116,7 +117,7 @@ class EmptyControlRequest(_Control):
     mode: str | None = None
 
 
-def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def chat_messages(messages: Sequence[object]) -> list[dict[str, object]]:
     """Checked copies of OpenAI chat messages, ready for a chat template.
 
     Raises ValueError naming the field (`messages[2].role: ...`). Text content parts are
@@ -126,7 +127,7 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
-def _message(m: Any, where: str) -> dict[str, Any]:
+def _message(m: object, where: str) -> dict[str, object]:
     if not isinstance(m, dict):
         raise ValueError(f"{where}: must be an object with 'role' and 'content'")
     role = m.get("role")
@@ -155,7 +156,7 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _text_part(part: Any, where: str) -> str:
+def _text_part(part: object, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") != "text":
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         raise ValueError(f"{where}.type: {kind!r} is not supported (text parts only)")
@@ -164,8 +165,10 @@ def _text_part(part: Any, where: str) -> str:
     return part["text"]
 
 
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
-    fn = call.get("function") if isinstance(call, dict) else None
+def _tool_call(call: object, where: str) -> dict[str, object]:
+    if not isinstance(call, dict):
+        raise ValueError(f"{where}.function.name: field required")
+    fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ValueError(f"{where}.function.name: field required")
     args = fn.get("arguments", {})
@@ -196,7 +199,7 @@ _ID_PREFIX = {
 }
 
 
-def response_header(obj: str, rid: str | None, model: str, version: int) -> dict[str, Any]:
+def response_header(obj: str, rid: str | None, model: str, version: int) -> dict[str, object]:
     """Fields every response (and every streamed chunk of it) starts with."""
     return {
         "id": f"{_ID_PREFIX[obj]}-{rid or uuid.uuid4().hex}",
@@ -207,14 +210,14 @@ def response_header(obj: str, rid: str | None, model: str, version: int) -> dict
     }
 
 
-def _tail(resp: GenerationResponse, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def _tail(resp: GenerationResponse, choices: list[dict[str, object]]) -> dict[str, object]:
     usage = _usage(len(resp.input_ids), resp)
     return {"choices": choices, "prompt_token_ids": resp.input_ids, "usage": usage}
 
 
 def completion_body(
     resp: GenerationResponse, model: str, version: int, tokenizer, logprobs: int | None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     choices = []
     for i, out in enumerate(resp.outputs):
         lp = None
@@ -254,7 +257,7 @@ def chat_body(
     tokenizer,
     logprobs: bool,
     parsed: list[Parsed] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     choices = []
     for i, out in enumerate(resp.outputs):
         lp = _chat_logprobs(tokenizer, out.output_ids, out.output_logprobs) if logprobs else None
@@ -274,7 +277,7 @@ def chat_body(
     return {**response_header("chat.completion", resp.rid, model, version), **_tail(resp, choices)}
 
 
-def _completion_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, Any]:
+def _completion_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, object]:
     toks = tokenizer.convert_ids_to_tokens(ids)
     return {
         "tokens": toks,
@@ -284,7 +287,7 @@ def _completion_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[st
     }
 
 
-def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, Any]:
+def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, object]:
     toks = tokenizer.convert_ids_to_tokens(ids)
     return {
         "content": [
@@ -295,7 +298,7 @@ def _chat_logprobs(tokenizer, ids: list[int], lps: list[float]) -> dict[str, Any
 
 
 # -- streaming chunks (nexrl/inference/streaming.py) -------------------------------------------
-def completion_chunk_fn(header: dict[str, Any], tokenizer, logprobs: int | None):
+def completion_chunk_fn(header: dict[str, object], tokenizer, logprobs: int | None):
     """Builds one `text_completion` chunk per (sample, new tokens)."""
 
     def make(index: int, text: str, ids: list[int], lps: list[float], finish: str | None):
@@ -306,12 +309,12 @@ def completion_chunk_fn(header: dict[str, Any], tokenizer, logprobs: int | None)
     return make
 
 
-def chat_chunk_fn(header: dict[str, Any], tokenizer, logprobs: bool):
+def chat_chunk_fn(header: dict[str, object], tokenizer, logprobs: bool):
     """Builds one `chat.completion.chunk` per (sample, new tokens); the first has the role."""
     started: set[int] = set()
 
     def make(index: int, text: str, ids: list[int], lps: list[float], finish: str | None):
-        delta: dict[str, Any] = {"content": text}
+        delta: dict[str, object] = {"content": text}
         if index not in started:
             started.add(index)
             delta["role"] = "assistant"
@@ -323,7 +326,7 @@ def chat_chunk_fn(header: dict[str, Any], tokenizer, logprobs: bool):
 
 
 def chat_tool_chunk_fn(
-    header: dict[str, Any], tokenizer, logprobs: bool, parser: ToolCallParser, on_parsed
+    header: dict[str, object], tokenizer, logprobs: bool, parser: ToolCallParser, on_parsed
 ):
     """Like `chat_chunk_fn`, for requests with tools: the text of a sample is held back until
     it ends (a tool call cannot be told from content before its closing tag), then sent as
@@ -350,8 +353,8 @@ def chat_tool_chunk_fn(
     return make
 
 
-def usage_chunk_fn(header: dict[str, Any]):
-    def make(resp: GenerationResponse) -> dict[str, Any]:
+def usage_chunk_fn(header: dict[str, object]):
+    def make(resp: GenerationResponse) -> dict[str, object]:
         return {**header, "choices": [], "usage": _usage(len(resp.input_ids), resp)}
 
     return make

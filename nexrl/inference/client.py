@@ -21,9 +21,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
@@ -32,17 +32,23 @@ from nexrl.config.schema import InferenceServiceConfig
 from nexrl.execute import execute
 from nexrl.inference.factory import build_local_engine, check_engine_options
 from nexrl.inference.protocol import (
+    CompletionResult,
     GenerationRequest,
     GenerationResponse,
     InferenceEngine,
+    SampleResult,
+    SamplingKwargs,
     SamplingParams,
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import encode_text
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from nexrl.protocols import WeightSyncLike
 
+_T = TypeVar("_T")
 REMOTE_BACKENDS = ("remote", "vllm", "sglang")
 _BLOCK_POLL_S = 0.02
 RECENT_SAMPLES = 256
@@ -86,14 +92,14 @@ def shutdown_local_engines() -> None:
         sys.modules["nexrl.inference.vllm_server"].shutdown_servers()
 
 
-def sampling_from_kwargs(kwargs: Mapping[str, Any]) -> SamplingParams:
+def sampling_from_kwargs(kwargs: SamplingKwargs) -> SamplingParams:
     """OpenAI-named kwargs (max_tokens, temperature, top_p, top_k, stop, ...) -> SamplingParams."""
     stop = kwargs.get("stop") or []
     return SamplingParams(
         max_new_tokens=int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", 64))),
         temperature=float(kwargs.get("temperature", 1.0)),
         top_p=float(kwargs.get("top_p", 1.0)),
-        top_k=int(kwargs.get("top_k", -1) if kwargs.get("top_k") is not None else -1),
+        top_k=int(top_k) if (top_k := kwargs.get("top_k")) is not None else -1,
         stop_token_ids=list(kwargs.get("stop_token_ids") or []),
         stop=[stop] if isinstance(stop, str) else list(stop),
         n=int(kwargs.get("n", 1)),
@@ -116,13 +122,13 @@ class SampleText(str):
         obj.sample_id = sample_id
         return obj
 
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+    def __reduce__(self) -> tuple[type[SampleText], tuple[str, str]]:
         return (SampleText, (str(self), self.sample_id))
 
 
-def result_dict(prompt: Any, response: GenerationResponse, version: int) -> dict[str, Any]:
+def result_dict(prompt: str | None, response: GenerationResponse, version: int) -> CompletionResult:
     """The client's result: top level = first choice, `choices` = every sample."""
-    choices = [
+    choices: list[SampleResult] = [
         {
             "response": out.text,
             "response_ids": list(out.output_ids),
@@ -187,7 +193,7 @@ class LLMServiceClient:
         )
         self.freeze_for_weight_sync = section.freeze_for_weight_sync
         # sample_id -> (shared, choice) of the latest samples (see `_record`)
-        self._recent: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[dict[str, object], SampleResult]] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._sample_ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self._controller: WeightSyncLike | None = None
@@ -224,8 +230,12 @@ class LLMServiceClient:
 
     # -- generation -------------------------------------------------------------------------
     def completion(
-        self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        **kwargs: Unpack[SamplingKwargs],
+    ) -> CompletionResult:
         """Complete `prompt` (text) or `prompt_ids` (token ids). kwargs use OpenAI names."""
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("completion() needs exactly one of `prompt` or `prompt_ids`")
@@ -235,12 +245,12 @@ class LLMServiceClient:
         ids = prompt_ids if prompt_ids is not None else self._encode(prompt)
         return self._record(self._retrying(self._local_generate, prompt, ids, kwargs))
 
-    def _record(self, result: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, result: CompletionResult) -> CompletionResult:
         """Keep the latest samples (token ids, logprobs, versions) by sample id, so that a
         trajectory written with response text only can be completed token-exactly: each
         choice's `response` becomes a `SampleText` naming its sample (the top level's is
         the first choice's object)."""
-        shared = {k: v for k, v in result.items() if k != "choices"}
+        shared: dict[str, object] = {k: v for k, v in result.items() if k != "choices"}
         # (shared, choice) pairs, merged when read: most runs never read them
         choices = result.get("choices") or []
         with self._recent_lock:
@@ -255,13 +265,13 @@ class LLMServiceClient:
             result["response"] = choices[0]["response"]
         return result
 
-    def recent_samples(self) -> list[dict[str, Any]]:
+    def recent_samples(self) -> list[dict[str, object]]:
         """The latest samples this client returned, oldest first."""
         with self._recent_lock:
             pairs = list(self._recent.values())
         return [{**shared, **choice} for shared, choice in pairs]
 
-    def sample_of(self, response: Any) -> dict[str, Any] | None:
+    def sample_of(self, response: object) -> dict[str, object] | None:
         """The recent sample whose `response` this is (the `SampleText` object this client
         returned, or one pickled from it), or None: text that is only equal to a sample's,
         a sample of another client, or one older than the last `RECENT_SAMPLES`."""
@@ -271,8 +281,12 @@ class LLMServiceClient:
         return None if pair is None else {**pair[0], **pair[1]}
 
     def generate(
-        self, messages: list[dict], *, tools: list[dict] | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+        self,
+        messages: list[dict[str, object]],
+        *,
+        tools: list[dict[str, object]] | None = None,
+        **kwargs: Unpack[SamplingKwargs],
+    ) -> CompletionResult:
         """Chat: apply the tokenizer's chat template (with `tools` when given), then complete.
 
         Adds `messages` and, per choice, the OpenAI `tool_calls` of the reply ([] when it
@@ -303,7 +317,7 @@ class LLMServiceClient:
         result.setdefault("tool_calls", result["choices"][0]["tool_calls"])
         return self._record(result)
 
-    def _parse_tool_calls(self, result: dict[str, Any]) -> None:
+    def _parse_tool_calls(self, result: CompletionResult) -> None:
         """OpenAI `tool_calls` of each local choice, as `nexrl serve` returns them."""
         from nexrl.inference.api_models import assistant_message
         from nexrl.inference.tool_parsers import get_parser
@@ -316,14 +330,15 @@ class LLMServiceClient:
             choice["tool_calls"] = message.get("tool_calls", [])
             choice["finish_reason"] = finish
             choice["parse_failures"] = [f.reason for f in parsed[2]]
-        result.update(
-            {
-                k: result["choices"][0][k]
-                for k in ("content", "tool_calls", "finish_reason", "parse_failures")
-            }
-        )
+        first = result["choices"][0]
+        result["content"] = first["content"]
+        result["tool_calls"] = first["tool_calls"]
+        result["finish_reason"] = first["finish_reason"]
+        result["parse_failures"] = first["parse_failures"]
 
-    def _local_generate(self, prompt: Any, ids: list[int], kwargs: Mapping) -> dict[str, Any]:
+    def _local_generate(
+        self, prompt: str | None, ids: list[int], kwargs: SamplingKwargs
+    ) -> CompletionResult:
         version = self._engine.version
         request = GenerationRequest(
             list(ids),
@@ -337,7 +352,7 @@ class LLMServiceClient:
     def _encode(self, prompt: str) -> list[int]:
         return encode_text(self.tokenizer, prompt)
 
-    def _retrying(self, fn, *args: Any) -> Any:
+    def _retrying(self, fn: Callable[..., _T], *args: object) -> _T:
         """Call `fn`, retrying transport errors (never ValueError: a bad request stays bad).
 
         The first try is a plain call: tenacity's bookkeeping costs ~14 us a call (Zen 4),
@@ -391,7 +406,7 @@ class LLMServiceClient:
     def abort(self, rid: str | None = None) -> None:
         self._control((self._engine or self._remote).abort, rid)
 
-    def _control(self, fn: Any, *args: Any) -> None:
+    def _control(self, fn: Callable[..., object], *args: object) -> None:
         try:
             fn(*args)
         except self._transient as exc:  # no retry: a control call may not be idempotent

@@ -7,7 +7,7 @@ without importing the client that balances over them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,9 @@ def build_hf_engine(model: str | None, **options: Any) -> InferenceEngine:
     return HFEngine(model, **{k: v for k, v in options.items() if k in HF_OPTIONS})
 
 
-ENGINE_BUILDERS = Registry("in-process inference backend", "service.inference_service.backend")
+ENGINE_BUILDERS: Registry[Callable[..., InferenceEngine]] = Registry(
+    "in-process inference backend", "service.inference_service.backend"
+)
 ENGINE_BUILDERS.add("builtin", build_engine)
 ENGINE_BUILDERS.add("hf", build_hf_engine)
 

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Child:
-    proc: Any
-    conn: Any
+    proc: SpawnProcess
+    conn: Connection
     fatal: str | None = None  # what the child said before it stopped itself (OOM)
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
@@ -75,7 +77,7 @@ class _Call:
     """One message awaiting its answer; replayed to a restarted engine when it can be."""
 
     op: str
-    body: dict[str, Any]
+    body: dict[str, object]
     future: Future
     convert: Callable[[Any], Any] | None = None
     on_token: TokenCallback | None = None
@@ -110,7 +112,7 @@ class ProcessEngine:
         max_restarts: int = 3,
         restart_window_s: float = 600.0,
         max_request_retries: int = 1,
-        **options: Any,
+        **options: object,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -172,7 +174,10 @@ class ProcessEngine:
     @property
     def pid(self) -> int:
         """Process id of the current engine process (changes on restart)."""
-        return self._child.proc.pid
+        pid = self._child.proc.pid
+        if pid is None:  # never: a child is started before it is installed
+            raise RuntimeError("the engine process was not started")
+        return pid
 
     def _watch(self) -> None:
         while not self._stop.wait(self.health_interval_s):
@@ -259,7 +264,7 @@ class ProcessEngine:
         on_token: TokenCallback | None = None,
         convert: Callable[[Any], Any] | None = None,
         child: _Child | None = None,
-        **body: Any,
+        **body: object,
     ) -> Future:
         """Send one message; the future resolves to its result (passed through `convert`).
 
@@ -451,7 +456,7 @@ def _response(r: dict[str, Any]) -> GenerationResponse:
     return GenerationResponse(r["input_ids"], outputs, r["rid"])
 
 
-def _request_dict(request: GenerationRequest) -> dict[str, Any]:
+def _request_dict(request: GenerationRequest) -> dict[str, object]:
     return {
         "input_ids": list(request.input_ids),
         "sampling": asdict(request.sampling),

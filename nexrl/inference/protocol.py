@@ -12,12 +12,81 @@ HTTP (nexrl's server, vLLM, SGLang). Both satisfy `InferenceEngine`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
+
+from nexrl.types import JSONDict, JSONValue
+
+if TYPE_CHECKING:
+    import torch
 
 TokenCallback = Callable[[int, int, float, int], None]
 """Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
 called from the engine's scheduler thread (keep it cheap; hand the token to another thread)."""
+
+
+class Decoder(Protocol):
+    """What detokenizing code uses of a tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class StreamingEngine(Protocol):
+    """An engine that streams tokens (`Engine`, `ProcessEngine`): the OpenAI server's."""
+
+    def submit(
+        self, request: GenerationRequest, on_token: TokenCallback | None = None
+    ) -> Future[GenerationResponse]: ...
+
+    def abort(self, rid: str | None = None) -> None: ...
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """The OpenAI-named sampling options `LLMServiceClient.completion` / `generate` take."""
+
+    max_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    n: int
+    seed: int | None
+    ignore_eos: bool
+    rid: str | None
+    cache_output: bool
+
+
+class SampleResult(TypedDict, total=False):
+    """One sample of a client result (`result["choices"][i]`)."""
+
+    response: str
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+    token_versions: list[int]
+    retokenized: bool
+    """A remote server sent no token ids: `response_ids` re-encode the text."""
+    content: str | None
+    tool_calls: list[dict[str, object]]
+    parse_failures: list[str]
+    scores: dict[str, float]
+    """The reward's named components (set by the rollout worker that scored it)."""
+    continuations: int
+    """Requests that continued it after aborts (partial rollout)."""
+
+
+class CompletionResult(SampleResult, total=False):
+    """What `LLMServiceClient.completion` / `generate` answer: the first sample's fields at
+    the top level, every sample in `choices`."""
+
+    prompt: str | list[JSONDict] | None
+    prompt_ids: list[int]
+    model_version: int
+    choices: list[SampleResult]
+    messages: list[dict[str, object]]
 
 
 @dataclass
@@ -47,7 +116,7 @@ class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, JSONValue] = field(default_factory=dict)
     cache_output: bool = True
 
 
@@ -75,7 +144,7 @@ class WeightUpdateMeta:
 
     version: int
     path: str | None = None
-    state_dict: dict[str, Any] | None = None
+    state_dict: dict[str, torch.Tensor] | None = None
 
 
 @runtime_checkable

@@ -28,12 +28,16 @@ import httpx
 
 from nexrl.config.schema import InferenceServiceConfig
 from nexrl.inference.protocol import (
+    CompletionResult,
     GenerationOutput,
     GenerationRequest,
     GenerationResponse,
+    SampleResult,
+    SamplingKwargs,
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import encode_text
+from nexrl.types import JSONDict
 
 _CONTROL = {
     "remote": {
@@ -167,7 +171,7 @@ class RemoteBackend:
         self.http.close()
         self.client.close()
 
-    def _params(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _params(self, kwargs: SamplingKwargs) -> tuple[dict[str, object], dict[str, object]]:
         std = {
             k: kwargs[k]
             for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop")
@@ -193,7 +197,9 @@ class RemoteBackend:
             return self.control.version()
         return self._version
 
-    def completion(self, prompt: str | None, prompt_ids: list[int] | None, kwargs) -> dict:
+    def completion(
+        self, prompt: str | None, prompt_ids: list[int] | None, kwargs: SamplingKwargs
+    ) -> CompletionResult:
         std, extra = self._params(kwargs)
         version = self._start()
         body = prompt if prompt_ids is None else prompt_ids
@@ -215,7 +221,12 @@ class RemoteBackend:
         ]
         return self._result(prompt, prompt_ids, resp, choices, version)
 
-    def chat(self, messages: list[dict], kwargs, tools: list[dict] | None = None) -> dict:
+    def chat(
+        self,
+        messages: list[dict[str, object]],
+        kwargs: SamplingKwargs,
+        tools: list[dict[str, object]] | None = None,
+    ) -> CompletionResult:
         """Chat completion; with `tools` the server's OpenAI `tool_calls` come back per choice
         (and its `content`: the reply without the call markup)."""
         std, extra = self._params(kwargs)
@@ -242,7 +253,7 @@ class RemoteBackend:
 
     def _choice(
         self, c: dict, text: str, logprobs: list[float] | None, version: int
-    ) -> dict[str, Any]:
+    ) -> SampleResult:
         ids = c.get("token_ids")
         retokenized = ids is None
         if retokenized:
@@ -258,8 +269,13 @@ class RemoteBackend:
         }
 
     def _result(
-        self, prompt, prompt_ids, resp: dict, choices: list[dict], version: int
-    ) -> dict[str, Any]:
+        self,
+        prompt: str | None,
+        prompt_ids: list[int] | None,
+        resp: dict[str, Any],
+        choices: list[SampleResult],
+        version: int,
+    ) -> CompletionResult:
         ids = resp.get("prompt_token_ids") or resp["choices"][0].get("prompt_token_ids")
         if ids is None:
             ids = (
@@ -277,7 +293,7 @@ class RemoteBackend:
         }
 
     # -- control ----------------------------------------------------------------------------
-    def _post(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _post(self, action: str, body: JSONDict | None = None) -> JSONDict:
         if self.kind not in _CONTROL:
             raise ValueError(f"backend {self.kind!r} has no control endpoints")
         path = _CONTROL[self.kind][action]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
@@ -264,7 +264,7 @@ class ReplicaBalancer:
             self._push(stale, meta)
         return [i for i in range(len(self.replicas)) if i not in self.current_replicas()]
 
-    def _push(self, indices: Any, meta: WeightUpdateMeta) -> None:
+    def _push(self, indices: Iterable[int], meta: WeightUpdateMeta) -> None:
         refs = {i: self.replicas[i].update_weights.remote(meta) for i in indices}
         for i, ref in refs.items():
             try:
@@ -276,7 +276,8 @@ class ReplicaBalancer:
                 self._versions[i] = version
 
     def _acquire(self, request: GenerationRequest, exclude: set[int] | None = None) -> int:
-        key = request.metadata.get("prefix_key") or request.rid
+        prefix = request.metadata.get("prefix_key")
+        key = str(prefix) if prefix else request.rid
         exclude = exclude or set()
         current = [i for i in self.current_replicas() if i not in exclude]
         if not current:

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -101,7 +101,10 @@ def _runs(rows: list[Row]) -> list[tuple[Pending, int]]:
     ]
 
 
-def run_into(fn: Callable[[], Any], future: Future) -> None:
+_T = TypeVar("_T")
+
+
+def run_into(fn: Callable[[], _T], future: Future[_T]) -> None:
     """Run a control command on the scheduler thread; its result or error goes to `future`."""
     try:
         future.set_result(fn())

@@ -25,9 +25,10 @@ import hmac
 import inspect
 import json
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Depends, FastAPI, Request
@@ -80,8 +81,10 @@ _NO_TELEMETRY = (
     else {}
 )
 
+_T = TypeVar("_T")
 
-def _json(body: dict[str, Any]) -> Response:
+
+def _json(body: dict[str, object]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
@@ -157,7 +160,7 @@ def _docs_routes(app: FastAPI) -> None:
     from fastapi.openapi.docs import get_swagger_ui_html
 
     @app.get("/openapi.json", include_in_schema=False)
-    async def openapi() -> dict[str, Any]:
+    async def openapi() -> dict[str, object]:
         return app.openapi()
 
     @app.get("/docs", include_in_schema=False)
@@ -291,12 +294,12 @@ def _info_routes(
     max_len = getattr(engine, "max_model_len", None)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models() -> dict[str, object]:
         card = {"id": model_name, "object": "model", "owned_by": "nexrl", "max_model_len": max_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> dict[str, object]:
         if not engine.health():
             raise APIError(503, "engine is not healthy", "unavailable")
         stats = dict(getattr(engine, "stats", {}) or {})
@@ -327,7 +330,7 @@ class _Generation:
         self._count(resp)
         return resp, version
 
-    async def unless_disconnected(self, request: Request, work: Any, rid: str) -> Any:
+    async def unless_disconnected(self, request: Request, work: Awaitable[_T], rid: str) -> _T:
         """Await `work`; if the client goes away first, abort request `rid` in the engine
         (its rows stop generating) and let `work` end with what it has."""
         work = asyncio.ensure_future(work)
@@ -368,7 +371,7 @@ async def _disconnect(request: Request) -> None:
 
 def _control_routes(app: FastAPI, engine: InferenceEngine, weights_dirs: list[str] | None) -> None:
     @app.post("/update_weights_from_disk")
-    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, object]:
         _check_weights_path(body.model_path, weights_dirs)
         version = body.version if body.version is not None else body.weight_version
         meta = WeightUpdateMeta(engine.version + 1 if version is None else version, body.model_path)
@@ -379,17 +382,17 @@ def _control_routes(app: FastAPI, engine: InferenceEngine, weights_dirs: list[st
         return {"success": True, "message": "weights updated", "version": engine.version}
 
     @app.post("/pause_generation")
-    async def pause(body: EmptyControlRequest | None = None) -> dict[str, Any]:
+    async def pause(body: EmptyControlRequest | None = None) -> dict[str, object]:
         await asyncio.to_thread(engine.pause)
         return {"success": True}
 
     @app.post("/continue_generation")
-    async def resume(body: EmptyControlRequest | None = None) -> dict[str, Any]:
+    async def resume(body: EmptyControlRequest | None = None) -> dict[str, object]:
         await asyncio.to_thread(engine.resume)
         return {"success": True}
 
     @app.post("/abort_request")
-    async def abort(body: AbortRequest) -> dict[str, Any]:
+    async def abort(body: AbortRequest) -> dict[str, object]:
         await asyncio.to_thread(engine.abort, None if body.abort_all else body.rid)
         return {"success": True}
 

@@ -82,17 +82,24 @@ def check_weights_path(path: str, dirs: list[str] | None) -> None:
         )
 
 
-def prompt_batch(prompt: Any, tokenizer, vocab: int) -> list[list[int]]:
+def prompt_batch(
+    prompt: str | list[int] | list[str] | list[list[int]], tokenizer, vocab: int
+) -> list[list[int]]:
     """OpenAI's `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [encode_text(tokenizer, prompt)]
     if not prompt:
         raise APIError(400, "prompt: empty; give text or token ids")
-    if all(isinstance(p, str) for p in prompt):
-        return [encode_text(tokenizer, p) for p in prompt]
-    if all(isinstance(p, list) for p in prompt):
-        return [checked_ids(p, vocab) for p in prompt]
-    return [checked_ids(prompt, vocab)]
+    texts = [p for p in prompt if isinstance(p, str)]
+    if len(texts) == len(prompt):
+        return [encode_text(tokenizer, p) for p in texts]
+    rows = [p for p in prompt if isinstance(p, list)]
+    if len(rows) == len(prompt):
+        return [checked_ids(p, vocab) for p in rows]
+    ids = [p for p in prompt if isinstance(p, int)]
+    if len(ids) != len(prompt):
+        raise APIError(400, "prompt: a list of text, of token ids, or of token-id lists")
+    return [checked_ids(ids, vocab)]
 
 
 def checked_ids(ids: list[int], vocab: int) -> list[int]:

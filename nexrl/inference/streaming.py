@@ -17,19 +17,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TypeAlias
 
 import orjson
 
-from nexrl.inference.protocol import GenerationRequest, GenerationResponse
+from nexrl.inference.protocol import (
+    Decoder,
+    GenerationRequest,
+    GenerationResponse,
+    StreamingEngine,
+)
 
-ChunkFn = Callable[[int, str, list[int], list[float], str | None], dict[str, Any]]
+ChunkFn = Callable[[int, str, list[int], list[float], str | None], dict[str, object]]
+TokenEvent: TypeAlias = tuple[int, int, float]
+"""(sample index, token id, logprob) of one streamed token."""
 
 
 class SampleText:
     """Incremental detokenization of one sample with stop-string hold-back."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Decoder, stop: list[str]) -> None:
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -59,7 +66,7 @@ class TokenStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
 
     def on_token(self, index: int, token_id: int, logprob: float, version: int) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, token_id, logprob))
@@ -73,7 +80,9 @@ class TokenStream:
         future.add_done_callback(end)
 
 
-async def start(engine: Any, request: GenerationRequest) -> tuple[TokenStream, Future, Any]:
+async def start(
+    engine: StreamingEngine, request: GenerationRequest
+) -> tuple[TokenStream, Future[GenerationResponse], TokenEvent | None]:
     """Submit `request` streaming; wait for its first event so bad requests still raise here.
 
     Returns the stream, the engine future and the first event (a token, or None when the
@@ -83,18 +92,19 @@ async def start(engine: Any, request: GenerationRequest) -> tuple[TokenStream, F
     future = engine.submit(request, on_token=stream.on_token)
     stream.attach(future)
     first = await stream.queue.get()
-    if first is None and future.exception() is not None:
-        raise future.exception()
+    error = future.exception() if first is None else None
+    if error is not None:
+        raise error
     return stream, future, first
 
 
 async def sse(
-    engine: Any,
+    engine: StreamingEngine,
     request: GenerationRequest,
-    started: tuple[TokenStream, Future, Any],
-    tokenizer: Any,
+    started: tuple[TokenStream, Future[GenerationResponse], TokenEvent | None],
+    tokenizer: Decoder,
     chunk: ChunkFn,
-    usage: Callable[[GenerationResponse], dict[str, Any]] | None,
+    usage: Callable[[GenerationResponse], dict[str, object]] | None,
     on_done: Callable[[GenerationResponse], None] = lambda resp: None,
 ) -> AsyncIterator[str]:
     """The event stream of a started request (see module docstring)."""
@@ -123,5 +133,5 @@ async def sse(
             asyncio.get_running_loop().run_in_executor(None, engine.abort, request.rid)
 
 
-def _data(body: dict[str, Any]) -> str:
+def _data(body: dict[str, object]) -> str:
     return f"data: {orjson.dumps(body).decode()}\n\n"

@@ -19,9 +19,10 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from nexrl.registry import Registry
+from nexrl.types import JSONDict
 
 
 @dataclass
@@ -29,10 +30,10 @@ class ToolCall:
     """One parsed call. `arguments` is a dict; `to_openai` serialises it as OpenAI does."""
 
     name: str
-    arguments: dict[str, Any]
+    arguments: JSONDict
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def to_openai(self) -> dict[str, Any]:
+    def to_openai(self) -> dict[str, object]:
         """The `tool_calls[i]` entry of an OpenAI assistant message (arguments as a string)."""
         args = json.dumps(self.arguments, ensure_ascii=False)
         function = {"name": self.name, "arguments": args}
@@ -59,7 +60,7 @@ def _call_from_json(raw: str, args_key: str) -> ToolCall | ParseFailure:
     return _call_from_obj(obj, raw, args_key)
 
 
-def _call_from_obj(obj: Any, raw: str, args_key: str) -> ToolCall | ParseFailure:
+def _call_from_obj(obj: object, raw: str, args_key: str) -> ToolCall | ParseFailure:
     if not isinstance(obj, dict):
         return ParseFailure(raw, f"a tool call must be a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -171,7 +172,9 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParseResult: ...
 
 
-PARSERS = Registry("tool-call parser", "service.inference_service.tool_call_parser")
+PARSERS: Registry[Callable[[], ToolCallParser]] = Registry(
+    "tool-call parser", "service.inference_service.tool_call_parser"
+)
 """name -> parser class (called with no argument); `PARSERS.add("mine", MyParser)` makes
 `tool_call_parser: mine` and `nexrl serve --tool-call-parser mine` pick it."""
 PARSERS.add("hermes", HermesParser)

@@ -29,24 +29,30 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from nexrl.inference.protocol import WeightUpdateMeta
 
+if TYPE_CHECKING:
+    import torch
+
+    from nexrl.inference.vllm_server import VLLMServer
+
 
 class VLLMControl:
     """Pause, resume, abort, weight push and version of one vLLM server."""
 
-    def __init__(self, http: httpx.Client, server: Any = None) -> None:
+    def __init__(self, http: httpx.Client, server: VLLMServer | None = None) -> None:
         self.http = http
         self.server = server  # a managed `VLLMServer`: it replays the last push on restart
         self._paused = False
         self._lock = threading.Lock()
 
-    def _post(self, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict:
+    def _post(self, path: str, body: Mapping[str, object] | None = None, **params: Any) -> dict:
         resp = self.http.post(path, json=body or {}, params=params or None)
         if resp.status_code >= 400:
             hint = " (is VLLM_SERVER_DEV_MODE=1 set?)" if resp.status_code == 404 else ""
@@ -155,7 +161,12 @@ class NCCLWeightPush:
     """
 
     def __init__(
-        self, url: str, module: Any, master_address: str, master_port: int, world_size: int
+        self,
+        url: str,
+        module: torch.nn.Module,
+        master_address: str,
+        master_port: int,
+        world_size: int,
     ) -> None:
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient

@@ -10,9 +10,12 @@ under the base model's own names (`merged_state_dict`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nexrl.training.torch_engine import TorchTrainEngine
 
 PEFT_PREFIX = "base_model.model."
 
@@ -69,7 +72,7 @@ def _base_name(name: str) -> str:
     return name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
 
 
-def load_lora_checkpoint(engine: Any, path: str) -> None:
+def load_lora_checkpoint(engine: TorchTrainEngine, path: str) -> None:
     """Resume a LoRA engine from `checkpoint.save`: adapter weights and trainer state."""
     from pathlib import Path
 

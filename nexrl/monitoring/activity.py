@@ -24,16 +24,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from nexrl.execute import execute, execute_within, is_remote
-from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity
-from nexrl.monitoring.loggers import ExperimentLogger, check_backend
-from nexrl.monitoring.outbox import QUEUED, outbox_for
+from nexrl.monitoring.errors import ErrorReporter, ErrorSeverity, HealthStatus
+from nexrl.monitoring.loggers import ExperimentLogger, PostOptions, check_backend
+from nexrl.monitoring.outbox import QUEUED, QueuedCall, outbox_for
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from typing_extensions import Unpack
+
+    from nexrl.protocols import ModuleLike
 
 logger = logging.getLogger(__name__)
 _PROCESS = os.urandom(4).hex()  # tokens made by proxies are unique across processes
@@ -49,7 +55,7 @@ def _get(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def build_experiment_logger(config: Any) -> ExperimentLogger:
+def build_experiment_logger(config: DictConfig | Mapping[str, object]) -> ExperimentLogger:
     """From the root config: `logger.{backend,run_dir,console_keys}`, project/experiment
     names and `train_worker.total_train_steps` (the console's ETA)."""
     keys = _get(config, "logger.console_keys")
@@ -75,14 +81,14 @@ class ActivityTracker:
 
     def __init__(
         self,
-        config: Any = None,
+        config: DictConfig | Mapping[str, object] | None = None,
         max_errors: int = 1000,
         experiment_logger: ExperimentLogger | None = None,
     ) -> None:
         self._cond = threading.Condition()
         self._inflight: dict[str, tuple[str, str, float]] = {}  # token -> (module, work, t0)
         self._ids = itertools.count()
-        self._module_refs: dict[str, Any] = {}
+        self._module_refs: dict[str, ModuleLike] = {}
         self._rollout_workers: set[str] = set()
         self._dead_modules: list[str] = []
         self._counters: dict[str, int] = {}
@@ -105,7 +111,7 @@ class ActivityTracker:
                 raise ValueError(f"ActivityTracker.end: unknown or already ended token {token!r}")
             self._cond.notify_all()
 
-    def apply(self, calls: list[tuple]) -> None:
+    def apply(self, calls: list[QueuedCall]) -> None:
         """Run a batch of queued calls, `(method, args)` or `(method, args, kwargs)`, in
         order (an `Outbox` sends them; `QUEUED` names the methods)."""
         for method, args, *rest in calls:
@@ -147,7 +153,9 @@ class ActivityTracker:
         return "\n".join(lines)
 
     # ---- modules --------------------------------------------------------
-    def register_module(self, module_name: str, module_ref: Any, is_rollout_worker: bool = False):
+    def register_module(
+        self, module_name: str, module_ref: ModuleLike, is_rollout_worker: bool = False
+    ) -> None:
         with self._cond:
             self._module_refs[module_name] = module_ref
             if is_rollout_worker:
@@ -186,7 +194,7 @@ class ActivityTracker:
         work: str,
         exception: BaseException,
         severity: ErrorSeverity | None = None,
-        details: dict[str, Any] | None = None,
+        details: dict[str, object] | None = None,
     ) -> str:
         return self.error_reporter.report_exception(
             module, work, exception, severity or ErrorSeverity.ERROR, details
@@ -198,13 +206,13 @@ class ActivityTracker:
         work: str,
         message: str,
         severity: ErrorSeverity | None = None,
-        details: dict[str, Any] | None = None,
+        details: dict[str, object] | None = None,
     ) -> str:
         return self.error_reporter.report_error(
             module, work, message, severity or ErrorSeverity.ERROR, details
         )
 
-    def get_error_health_status(self) -> dict[str, Any]:
+    def get_error_health_status(self) -> HealthStatus:
         return self.error_reporter.get_health_status()
 
     def clear_errors(self) -> None:
@@ -230,7 +238,7 @@ class ActivityTracker:
         with self._cond:
             return self._training_step
 
-    def experiment_logger_post(self, backend: str, **kwargs: Any) -> None:
+    def experiment_logger_post(self, backend: str, **kwargs: Unpack[PostOptions]) -> None:
         """Forward to `ExperimentLogger.post`; `step` defaults to the training step."""
         kwargs.setdefault("step", self.get_training_step())
         self.experiment_logger.post(backend, **kwargs)
@@ -246,10 +254,10 @@ class ActivityTrackerProxy:
     `experiment_logger_post` go through this process's `Outbox` (batched, in order, not
     waited for); the proxy's reads flush it first."""
 
-    def __init__(self, central_tracker: Any) -> None:
+    def __init__(self, central_tracker: ActivityTracker) -> None:
         self._central = central_tracker
 
-    def _queue(self, method: str, *args: Any, **kwargs: Any) -> None:
+    def _queue(self, method: str, *args: object, **kwargs: object) -> None:
         if is_remote(self._central.apply):
             outbox_for(self._central).put(method, *args, **kwargs)
         else:
@@ -308,7 +316,7 @@ class ActivityTrackerProxy:
         self._flush()
         return execute(self._central.get_training_step)
 
-    def experiment_logger_post(self, backend: str, **kwargs: Any) -> None:
+    def experiment_logger_post(self, backend: str, **kwargs: Unpack[PostOptions]) -> None:
         """Not waited for (two posts a train step); an unknown `backend` raises here."""
         check_backend(backend)
         self._queue("experiment_logger_post", backend, **kwargs)

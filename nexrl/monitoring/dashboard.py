@@ -32,13 +32,14 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from nexrl.execute import execute
 from nexrl.monitoring.errors import ErrorReporter
 from nexrl.types import DEFAULT_MODEL_TAG
 
 if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTracker
     from nexrl.system import ModuleSystem
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class MetricsTail:
             self.staleness = {str(k): v for k, v in hist.items()}
             self.staleness_step = int(step)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, object]:
         with self._lock:
             return {
                 "series": {k: list(v) for k, v in self.series.items()},
@@ -131,9 +132,15 @@ class MetricsTail:
             }
 
 
-def parse_inflight(summary: str) -> list[dict[str, Any]]:
+class InflightItem(TypedDict):
+    module: str
+    work: str
+    age_s: float
+
+
+def parse_inflight(summary: str) -> list[InflightItem]:
     """The work items of `ActivityTracker.get_running_status_summary()` as dicts."""
-    items = []
+    items: list[InflightItem] = []
     for line in summary.splitlines():
         m = _INFLIGHT_LINE.match(line)
         if m:
@@ -141,7 +148,7 @@ def parse_inflight(summary: str) -> list[dict[str, Any]]:
     return items
 
 
-def recent_errors(tracker: Any, n: int = 20) -> list[dict[str, Any]]:
+def recent_errors(tracker: ActivityTracker, n: int = 20) -> list[dict[str, object]]:
     """The last `n` errors when the tracker is local (a Ray tracker shows only its health)."""
     reporter = getattr(tracker, "error_reporter", None)
     if not isinstance(reporter, ErrorReporter):
@@ -158,11 +165,11 @@ def recent_errors(tracker: Any, n: int = 20) -> list[dict[str, Any]]:
     ]
 
 
-def pipeline_state_fn(system: ModuleSystem) -> Callable[[], dict[str, Any]]:
+def pipeline_state_fn(system: ModuleSystem) -> Callable[[], dict[str, object]]:
     """The `state_fn` for a `ModuleSystem`: pool sizes and the admission ledger, through
     the modules' public methods (so Ray actors work too)."""
 
-    def state() -> dict[str, Any]:
+    def state() -> dict[str, object]:
         return {
             "trajectory_pool_ready": execute(system.trajectory_pool.num_ready),
             "train_batch_pool": execute(system.train_batch_pool.qsize),
@@ -177,9 +184,9 @@ class Dashboard:
 
     def __init__(
         self,
-        tracker: Any,
+        tracker: ActivityTracker,
         run_dir: str | Path,
-        state_fn: Callable[[], dict[str, Any]] | None = None,
+        state_fn: Callable[[], dict[str, object]] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -224,7 +231,7 @@ class Dashboard:
             self._thread.join(timeout=5)
         self._server = self._thread = None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         """Everything the page shows, as one JSON-able dict."""
         self.metrics.poll()
         inflight = parse_inflight(execute(self.tracker.get_running_status_summary))
@@ -281,7 +288,7 @@ def _handler_for(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             logger.debug("dashboard: " + format, *args)
 
     return Handler

@@ -27,7 +27,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Literal, TypedDict
 
 
 class ErrorSeverity(Enum):
@@ -47,9 +47,25 @@ class ErrorInfo:
     work_context: str
     severity: ErrorSeverity
     message: str
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
     exception_type: str | None = None
     exception_traceback: str | None = None
+
+
+class HealthStatus(TypedDict):
+    """`ErrorReporter.get_health_status`: the recent errors, aggregated."""
+
+    status: Literal["healthy", "warning", "error", "critical"]
+    message: str
+    recent_error_count: int
+    critical_level_count: int
+    error_level_count: int
+    warning_level_count: int
+    info_level_count: int
+    total_error_count: int
+    last_error: str | None
+    task_error_count: int
+    consecutive_error_count: int
 
 
 class ErrorReporter:
@@ -68,7 +84,7 @@ class ErrorReporter:
         work_context: str,
         exception: BaseException,
         severity: ErrorSeverity = ErrorSeverity.ERROR,
-        details: dict[str, Any] | None = None,
+        details: dict[str, object] | None = None,
     ) -> str:
         """Record an exception (type, message and traceback); returns its error id."""
         tb = "".join(
@@ -90,7 +106,7 @@ class ErrorReporter:
         work_context: str,
         message: str,
         severity: ErrorSeverity = ErrorSeverity.ERROR,
-        details: dict[str, Any] | None = None,
+        details: dict[str, object] | None = None,
     ) -> str:
         """Record an error that has no exception object; returns its error id."""
         return self._add(module_name, work_context, message, severity, details, None, None)
@@ -101,7 +117,7 @@ class ErrorReporter:
         work_context: str,
         message: str,
         severity: ErrorSeverity,
-        details: dict[str, Any] | None,
+        details: dict[str, object] | None,
         exc_type: str | None,
         tb: str | None,
     ) -> str:
@@ -139,7 +155,7 @@ class ErrorReporter:
             self._errors.clear()
             self._since_progress = 0
 
-    def get_health_status(self) -> dict[str, Any]:
+    def get_health_status(self) -> HealthStatus:
         """Aggregate of the recent errors.
 
         Keys: `status` ("healthy" | "warning" | "error" | "critical"), `message`,
@@ -154,6 +170,7 @@ class ErrorReporter:
             total = sum(self._total_by_severity.values())
             consecutive = self._since_progress
         counts = {s: sum(e.severity == s for e in recent) for s in ErrorSeverity}
+        status: Literal["healthy", "warning", "error", "critical"]
         if counts[ErrorSeverity.CRITICAL]:
             status = "critical"
         elif counts[ErrorSeverity.ERROR]:
@@ -195,7 +212,7 @@ MAX_CONSECUTIVE_ERRORS = 16
 
 
 def should_stop(
-    health: dict[str, Any], policy: str, max_consecutive_errors: int = MAX_CONSECUTIVE_ERRORS
+    health: HealthStatus, policy: str, max_consecutive_errors: int = MAX_CONSECUTIVE_ERRORS
 ) -> bool:
     """Whether the run must stop given a `get_health_status()` dict and a policy.
 

@@ -20,9 +20,12 @@ before a save may be counted both before it and after the resume, never lost.)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl.execute import execute
+
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTracker
 
 SETTLED = ("tasks_trained", "tasks_failed/train", "staleness/dropped")
 SETTLED_PREFIXES = ("groups_dropped/", "rollout/released/")
@@ -39,7 +42,7 @@ def checkpoint_ledger(counters: Mapping[str, int]) -> dict[str, int]:
     return kept
 
 
-def restore_ledger(tracker: Any, saved: Mapping[str, int] | None) -> dict[str, int]:
+def restore_ledger(tracker: ActivityTracker, saved: Mapping[str, int] | None) -> dict[str, int]:
     """Add a checkpoint's ledger counts to `tracker` (a resumed run, before it starts);
     returns what was added (nothing for a checkpoint written before ledgers were kept)."""
     added = {k: int(v) for k, v in (saved or {}).items() if int(v)}

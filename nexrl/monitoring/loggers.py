@@ -22,13 +22,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 from nexrl.monitoring.progress import DEFAULT_CONSOLE_KEYS, ConsoleBackend
 from nexrl.monitoring.samples import SAMPLE_COLUMNS, sample_rows, with_staleness
 from nexrl.registry import Registry
+from nexrl.types import JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,24 @@ __all__ = [
 TRACKER_IDS_FILE = "trackers.json"
 
 
-class LoggerBackend(Protocol):
-    def log(self, data: Mapping[str, Any], step: int) -> None: ...
+class PostOptions(TypedDict, total=False):
+    """The keyword arguments of `ExperimentLogger.post` a tracker forwards."""
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None: ...
+    data: Mapping[str, object] | None
+    step: int | None
+    total_steps: int | None
+    rows: Sequence[Mapping[str, object]] | None
+
+
+class LoggerBackend(Protocol):
+    def log(self, data: Mapping[str, object], step: int) -> None: ...
+
+    def log_samples(self, rows: list[dict[str, object]], step: int) -> None: ...
 
     def close(self) -> None: ...
 
 
-def _to_jsonable(value: Any) -> Any:
+def _to_jsonable(value: object) -> JSONValue:
     """Tensors / numpy scalars to Python numbers; anything else unknown to str."""
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         return value.item()
@@ -64,7 +74,7 @@ def _to_jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _scalars(data: Mapping[str, Any]) -> dict[str, float]:
+def _scalars(data: Mapping[str, object]) -> dict[str, float]:
     """The numeric entries of a metrics dict (tensors included), as floats."""
     out: dict[str, float] = {}
     for key, value in data.items():
@@ -75,9 +85,9 @@ def _scalars(data: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(config: Mapping[str, object], prefix: str = "") -> dict[str, object]:
     """{"a": {"b": 1}} -> {"a.b": 1}: trackers with flat parameter lists (mlflow)."""
-    flat: dict[str, Any] = {}
+    flat: dict[str, object] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
@@ -87,11 +97,11 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
-def _table(rows: list[dict[str, Any]]) -> list[list[Any]]:
+def _table(rows: list[dict[str, object]]) -> list[list[object]]:
     return [[row.get(c) for c in SAMPLE_COLUMNS] for row in rows]
 
 
-def _load_run_config(run_dir: str | Path | None) -> dict[str, Any]:
+def _load_run_config(run_dir: str | Path | None) -> dict[str, object]:
     path = Path(run_dir) / "config.yaml" if run_dir else None
     if path is None or not path.is_file():
         return {}
@@ -119,9 +129,11 @@ class TrackerIds:
         self.path.write_text(json.dumps(ids, indent=1) + "\n")
 
 
-def resumed_step(run_config: Mapping[str, Any]) -> int | None:
+def resumed_step(run_config: Mapping[str, object]) -> int | None:
     """The step a resumed run continues from (`resume.resumed_from` = `.../global_step_N`)."""
-    resume = run_config.get("resume") or {}
+    resume = run_config.get("resume")
+    if not isinstance(resume, Mapping):
+        return None
     path = resume.get("resumed_from") if resume.get("resumed") else None
     if not path:
         return None
@@ -158,7 +170,7 @@ class JsonlBackend:
     """
 
     def __init__(
-        self, run_dir: str | Path, run_config: Mapping[str, Any] | None = None, **_: Any
+        self, run_dir: str | Path, run_config: Mapping[str, object] | None = None, **_: object
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
@@ -169,7 +181,7 @@ class JsonlBackend:
                 keep_steps_up_to(path, step)
         self._file = self.path.open("a", encoding="utf-8")
 
-    def log(self, data: Mapping[str, Any], step: int) -> None:
+    def log(self, data: Mapping[str, object], step: int) -> None:
         # `time`: when it was logged (Unix seconds), as the trackers record for each point
         line = json.dumps(
             {"step": step, "time": round(time.time(), 3), **data}, default=_to_jsonable
@@ -177,7 +189,7 @@ class JsonlBackend:
         self._file.write(line + "\n")
         self._file.flush()
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+    def log_samples(self, rows: list[dict[str, object]], step: int) -> None:
         with self.samples_path.open("a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}, default=_to_jsonable) + "\n")
@@ -192,8 +204,8 @@ class TensorboardBackend:
     def __init__(
         self,
         run_dir: str | Path | None = None,
-        run_config: Mapping[str, Any] | None = None,
-        **_: Any,
+        run_config: Mapping[str, object] | None = None,
+        **_: object,
     ) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -209,12 +221,12 @@ class TensorboardBackend:
             text = OmegaConf.to_yaml(OmegaConf.create(dict(run_config)))
             self._writer.add_text("config", "```yaml\n" + text + "```", 0)
 
-    def log(self, data: Mapping[str, Any], step: int) -> None:
+    def log(self, data: Mapping[str, object], step: int) -> None:
         for key, value in _scalars(data).items():
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+    def log_samples(self, rows: list[dict[str, object]], step: int) -> None:
         head = "| " + " | ".join(SAMPLE_COLUMNS) + " |\n|" + " --- |" * len(SAMPLE_COLUMNS)
         lines = ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in _table(rows)]
         self._writer.add_text("samples", "\n".join([head, *lines]), step)
@@ -224,7 +236,7 @@ class TensorboardBackend:
         self._writer.close()
 
 
-def _md_cell(value: Any) -> str:
+def _md_cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
@@ -236,8 +248,8 @@ class WandbBackend:
         run_dir: str | Path | None = None,
         project_name: str = "nexrl",
         experiment_name: str | None = None,
-        run_config: Mapping[str, Any] | None = None,
-        **_: Any,
+        run_config: Mapping[str, object] | None = None,
+        **_: object,
     ) -> None:
         try:
             import wandb
@@ -262,10 +274,10 @@ class WandbBackend:
     def run_id(self) -> str:
         return self._run.id
 
-    def log(self, data: Mapping[str, Any], step: int) -> None:
+    def log(self, data: Mapping[str, object], step: int) -> None:
         self._run.log(json.loads(json.dumps(dict(data), default=_to_jsonable)), step=step)
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+    def log_samples(self, rows: list[dict[str, object]], step: int) -> None:
         table = self._wandb.Table(columns=list(SAMPLE_COLUMNS), data=_table(rows))
         self._run.log({"samples": table}, step=step)
 
@@ -287,9 +299,9 @@ class MlflowBackend:
         run_dir: str | Path | None = None,
         project_name: str = "nexrl",
         experiment_name: str | None = None,
-        run_config: Mapping[str, Any] | None = None,
+        run_config: Mapping[str, object] | None = None,
         tracking_uri: str | None = None,
-        **_: Any,
+        **_: object,
     ) -> None:
         try:
             from mlflow.tracking import MlflowClient
@@ -314,7 +326,7 @@ class MlflowBackend:
         exp_id = exp_id or self._client.create_experiment(project_name)
         return self._client.create_run(exp_id, run_name=experiment_name).info.run_id
 
-    def _log_config(self, config: dict[str, Any]) -> None:
+    def _log_config(self, config: dict[str, object]) -> None:
         """Params once per key: a resumed run keeps its original values (mlflow forbids
         changing a param); the current config is always in the `config.yaml` artifact."""
         from mlflow.entities import Param
@@ -329,7 +341,7 @@ class MlflowBackend:
             self._client.log_batch(self.run_id, params=params[i : i + 100])
         self._client.log_dict(self.run_id, config, "config.yaml")
 
-    def log(self, data: Mapping[str, Any], step: int) -> None:
+    def log(self, data: Mapping[str, object], step: int) -> None:
         import time
 
         from mlflow.entities import Metric
@@ -339,7 +351,7 @@ class MlflowBackend:
         for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+    def log_samples(self, rows: list[dict[str, object]], step: int) -> None:
         columns = {c: [row.get(c) for row in rows] for c in SAMPLE_COLUMNS}
         self._client.log_table(self.run_id, columns, f"samples/step_{step:06d}.json")
 
@@ -347,7 +359,7 @@ class MlflowBackend:
         self._client.set_terminated(self.run_id)
 
 
-LOGGER_BACKENDS = Registry("backend", "logger.backend")
+LOGGER_BACKENDS: Registry[Callable[..., LoggerBackend]] = Registry("backend", "logger.backend")
 """name -> backend class, called with the logger's keyword arguments (`run_dir`,
 `project_name`, `experiment_name`, `config`, ...; take `**kwargs`);
 `LOGGER_BACKENDS.add("mine", MyBackend)` makes `logger.backend=[jsonl,mine]` pick it."""
@@ -396,7 +408,7 @@ class ExperimentLogger:
         experiment_name: str | None = None,
         total_steps: int | None = None,
         console_keys: list[str] | None = None,
-        run_config: Mapping[str, Any] | None = None,
+        run_config: Mapping[str, object] | None = None,
         sample_every: int = 10,
         sample_rows: int = 8,
         tracking_uri: str | None = None,
@@ -434,11 +446,11 @@ class ExperimentLogger:
     def post(
         self,
         backend: str = "metrics",
-        data: Mapping[str, Any] | None = None,
+        data: Mapping[str, object] | None = None,
         step: int | None = None,
         total_steps: int | None = None,
-        rows: list[dict[str, Any]] | None = None,
-        **_: Any,
+        rows: Sequence[Mapping[str, object]] | None = None,
+        **_: object,
     ) -> None:
         """Log `data` at `step` (default: the last step seen) to `backend`."""
         self.set_total_steps(total_steps)
@@ -462,7 +474,7 @@ class ExperimentLogger:
         """True on the steps that get a sample table (`sample_every`; 0 turns it off)."""
         return self.sample_every > 0 and step % self.sample_every == 0
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int | None = None) -> None:
+    def log_samples(self, rows: Sequence[Mapping[str, object]], step: int | None = None) -> None:
         """Log a table of sample completions (columns `SAMPLE_COLUMNS`) on the steps
         `wants_samples` picks, at most `sample_rows` rows; other steps are dropped, so a
         caller may offer samples every step."""
@@ -470,9 +482,9 @@ class ExperimentLogger:
             step = self._last_step if step is None else int(step)
             if not rows or not self.wants_samples(step):
                 return
-            rows = [{c: row.get(c) for c in SAMPLE_COLUMNS} for row in rows[: self.sample_rows]]
+            table = [{c: row.get(c) for c in SAMPLE_COLUMNS} for row in rows[: self.sample_rows]]
             for target in self.backends.values():
-                target.log_samples(rows, step)
+                target.log_samples(table, step)
 
     def close(self) -> None:
         with self._lock:

@@ -22,11 +22,19 @@ import atexit
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from nexrl.execute import execute
 
+if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTracker
+
 logger = logging.getLogger(__name__)
+
+QueuedCall: TypeAlias = (
+    "tuple[str, tuple[object, ...]] | tuple[str, tuple[object, ...], dict[str, object]]"
+)
+"""One call for `ActivityTracker.apply`: `(method, args)` or `(method, args, kwargs)`."""
 
 LINGER_S = 0.05
 """How long the sender lets a batch fill after its first call before sending it (a
@@ -44,16 +52,16 @@ _BOXES_LOCK = threading.Lock()
 class Outbox:
     """Queue of `(method, args)` for one tracker actor, sent by a daemon thread."""
 
-    def __init__(self, central: Any) -> None:
+    def __init__(self, central: ActivityTracker) -> None:
         self._central = central
         self._cond = threading.Condition()
-        self._queue: list[tuple[str, tuple, dict]] = []
+        self._queue: list[QueuedCall] = []
         self._sending = False
         self._flushing = 0  # flush() calls waiting: send without lingering
         self._thread = threading.Thread(target=self._run, name="tracker-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, method: str, *args: Any, **kwargs: Any) -> None:
+    def put(self, method: str, *args: object, **kwargs: object) -> None:
         if method not in QUEUED:
             raise ValueError(f"Outbox: {method!r} is not one of the queued calls {set(QUEUED)}")
         with self._cond:
@@ -95,7 +103,7 @@ class Outbox:
             self._cond.wait(left)
 
 
-def outbox_for(central: Any) -> Outbox:
+def outbox_for(central: ActivityTracker) -> Outbox:
     """This process's outbox for the tracker actor `central` (one sender thread each)."""
     key = str(getattr(central, "_actor_id", id(central)))
     with _BOXES_LOCK:

@@ -18,12 +18,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 if TYPE_CHECKING:
+    from nexrl.monitoring.activity import ActivityTracker
     from nexrl.protocols import TaskAdmissionLike, TrajectoryPoolLike
 
 DEFAULT_CONSOLE_KEYS = ("reward/mean", "val/reward", "throughput/samples_per_s")
@@ -52,14 +53,14 @@ class ConsoleBackend:
         console_keys: list[str] | None = None,
         live: bool | None = None,
         console: Console | None = None,
-        **_: Any,
+        **_: object,
     ) -> None:
         self._console = console or CONSOLE
         self._keys = list(console_keys) if console_keys is not None else list(DEFAULT_CONSOLE_KEYS)
         self.live = self._console.is_terminal if live is None else live
         self.total_steps: int | None = None
         self._first: tuple[int, float] | None = None
-        self._latest: dict[str, Any] = {}
+        self._latest: dict[str, object] = {}
         self._printed: int | None = None  # last step a plain line was printed for
         self._progress: Progress | None = None
         self._task: TaskID | None = None
@@ -77,20 +78,20 @@ class ConsoleBackend:
             parts.append(f"ETA {_fmt_duration(max(0, self.total_steps - step) * per_step)}")
         return parts
 
-    def format_line(self, data: Mapping[str, Any], step: int, now: float) -> str:
+    def format_line(self, data: Mapping[str, object], step: int, now: float) -> str:
         """The plain line: `step 4/10 | reward/mean 0.5 | 2.00 s/step | ETA 0m12s`."""
         parts = [f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")]
         parts += [f"{key} {_fmt(data[key])}" for key in self._keys if key in data]
         return " | ".join(parts + self._rate_parts(step, now))
 
-    def format_status(self, data: Mapping[str, Any], step: int, now: float) -> str:
+    def format_status(self, data: Mapping[str, object], step: int, now: float) -> str:
         """The text next to the bar: latest value of every key, s/step and ETA."""
         self._latest.update({k: data[k] for k in self._keys if k in data})
         parts = [f"{key} {_fmt(self._latest[key])}" for key in self._keys if key in self._latest]
         return " | ".join(parts + self._rate_parts(step, now))
 
     # -- backend API ---------------------------------------------------------------
-    def log(self, data: Mapping[str, Any], step: int) -> None:
+    def log(self, data: Mapping[str, object], step: int) -> None:
         import time
 
         now = time.monotonic()
@@ -132,7 +133,7 @@ class ConsoleBackend:
         self._progress = progress
         return True
 
-    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+    def log_samples(self, rows: list[dict[str, object]], step: int) -> None:
         """Samples are for the trackers and `samples.jsonl`, not the console."""
 
     def close(self) -> None:
@@ -141,7 +142,7 @@ class ConsoleBackend:
             self._progress = None
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return str(value)
@@ -195,7 +196,7 @@ class StallReporter:
 
 
 def describe_stall(
-    pool: TrajectoryPoolLike, admission: TaskAdmissionLike, tracker: Any, model_tag: str
+    pool: TrajectoryPoolLike, admission: TaskAdmissionLike, tracker: ActivityTracker, model_tag: str
 ) -> str:
     """The state a stall report names: the trajectory pool's groups, the task owner's
     admission, the work in flight (which worker does what) and the last error."""

@@ -15,7 +15,8 @@ Stores are not thread-safe on their own: `TrajectoryPoolInstance` holds the lock
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Hashable
+from typing import Protocol, TypeAlias
 
 from nexrl.types import Trajectory
 
@@ -35,7 +36,7 @@ class TrajectoryStore(Protocol):
 
     def drain_incomplete(self) -> list[Trajectory]: ...
 
-    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]: ...
+    def incomplete_groups(self) -> list[tuple[tuple[Hashable, ...], int]]: ...
 
     def ready_groups(self) -> list[list[Trajectory]]:
         """The complete groups, oldest first (a view: do not modify)."""
@@ -108,7 +109,7 @@ class SimpleTrajectoryStore:
     def drain_incomplete(self) -> list[Trajectory]:
         return []
 
-    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]:
+    def incomplete_groups(self) -> list[tuple[tuple[Hashable, ...], int]]:
         return []
 
     def ready_groups(self) -> list[list[Trajectory]]:
@@ -118,10 +119,16 @@ class SimpleTrajectoryStore:
         return self._ready.pop_positions(positions)
 
 
-def _group_value(traj: Trajectory, key: str) -> Any:
+def _group_value(traj: Trajectory, key: str) -> Hashable:
     if key not in traj:
         raise KeyError(f"trajectory has no grouping key {key!r} (trajectory_pool.key_list)")
-    return traj[key]
+    value: Hashable = traj[key]  # a group key: str / int in practice
+    return value
+
+
+_Node: TypeAlias = "dict[Hashable, _Node | list[Trajectory]]"
+"""One level of the grouping tree: value of the level's key -> subtree, or (last level)
+the group's trajectories."""
 
 
 class HierarchicalTrajectoryStore:
@@ -140,21 +147,24 @@ class HierarchicalTrajectoryStore:
             raise ValueError(f"trajectory_pool.group_size must be >= 1, got {group_size}")
         self._keys = list(key_list)
         self._group_size = group_size
-        self._tree: dict[Any, Any] = {}
+        self._tree: _Node = {}
         self._pending = 0
         self._ready = _ReadyQueue()
 
-    def _path(self, traj: Trajectory) -> list[Any]:
+    def _path(self, traj: Trajectory) -> list[Hashable]:
         return [_group_value(traj, k) for k in self._keys]
 
     def add(self, traj: Trajectory) -> None:
         self._add(traj, self._path(traj))
 
-    def _add(self, traj: Trajectory, path: list[Any]) -> None:
+    def _add(self, traj: Trajectory, path: list[Hashable]) -> None:
         nodes = [self._tree]
         for value in path[:-1]:
-            nodes.append(nodes[-1].setdefault(value, {}))
+            child = nodes[-1].setdefault(value, {})
+            assert isinstance(child, dict)  # every path has len(key_list) levels
+            nodes.append(child)
         leaf = nodes[-1].setdefault(path[-1], [])
+        assert isinstance(leaf, list)
         leaf.append(traj)
         self._pending += 1
         if len(leaf) < self._group_size:
@@ -177,12 +187,13 @@ class HierarchicalTrajectoryStore:
         for traj, path in zip(trajs, paths, strict=True):
             self._add(traj, path)
 
-    def _fresh_group(self, paths: list[list[Any]]) -> bool:
+    def _fresh_group(self, paths: list[list[Hashable]]) -> bool:
         """All `paths` are one group's, and the store holds none of its samples yet."""
         if any(path != paths[0] for path in paths):
             return False
-        node: Any = self._tree
+        node: _Node | list[Trajectory] = self._tree
         for value in paths[0]:
+            assert isinstance(node, dict)  # a list only below the last level
             if value not in node:
                 return True
             node = node[value]
@@ -208,10 +219,10 @@ class HierarchicalTrajectoryStore:
         self._pending = 0
         self._ready.clear()
 
-    def incomplete_groups(self) -> list[tuple[tuple[Any, ...], int]]:
+    def incomplete_groups(self) -> list[tuple[tuple[Hashable, ...], int]]:
         """(key path, trajectories held) of every group still waiting for samples."""
-        out: list[tuple[tuple[Any, ...], int]] = []
-        stack: list[tuple[tuple[Any, ...], Any]] = [((), self._tree)]
+        out: list[tuple[tuple[Hashable, ...], int]] = []
+        stack: list[tuple[tuple[Hashable, ...], _Node]] = [((), self._tree)]
         while stack:
             path, node = stack.pop()
             for value, child in node.items():
@@ -224,11 +235,14 @@ class HierarchicalTrajectoryStore:
     def drain_incomplete(self) -> list[Trajectory]:
         """Remove and return the trajectories of groups that are not complete."""
         out: list[Trajectory] = []
-        stack: list[Any] = [self._tree]
+        stack: list[_Node] = [self._tree]
         while stack:
             node = stack.pop()
             for child in node.values():
-                (out.extend if isinstance(child, list) else stack.append)(child)
+                if isinstance(child, list):
+                    out.extend(child)
+                else:
+                    stack.append(child)
         self._tree = {}
         self._pending = 0
         return out

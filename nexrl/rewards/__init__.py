@@ -18,7 +18,6 @@ Around the functions (docs/rewards.md):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from nexrl.registry import Registry
 from nexrl.rewards.calls import inline_reward
@@ -27,7 +26,7 @@ RewardFn = Callable[..., float]
 
 
 @inline_reward
-def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> float:
+def shift_letters(prompt: str, completion: str, answer: str, **row: object) -> float:
     """Per-position partial credit for the shift-letters task.
 
     score = #(i: completion[i] == answer[i]) / max(len(answer), len(completion)),
@@ -43,12 +42,12 @@ def shift_letters(prompt: str, completion: str, answer: str, **row: Any) -> floa
 
 
 @inline_reward
-def exact_match(prompt: str, completion: str, answer: str, **row: Any) -> float:
+def exact_match(prompt: str, completion: str, answer: str, **row: object) -> float:
     """1.0 if the stripped completion equals the stripped answer, else 0.0."""
     return float(completion.strip() == str(answer).strip())
 
 
-REWARD_FUNCTIONS = Registry("reward function", "rollout_worker.reward_fn")
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", "rollout_worker.reward_fn")
 """name -> reward; `REWARD_FUNCTIONS.add("mine", fn)` (or `@REWARD_FUNCTIONS.register(
 "mine")`) makes `rollout_worker.reward_fn=mine` pick it."""
 REWARD_FUNCTIONS.add("shift_letters", shift_letters)

@@ -13,12 +13,27 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeAlias, TypedDict, TypeVar
+
+from nexrl.types import JSONValue
+
+RewardFn: TypeAlias = "Callable[..., object]"
+"""A reward: `fn(prompt, completion, **row)` (or the seed's shape with token ids), sync or
+async, returning a float, a `RewardDict` or a `RewardResult` (`normalize_result` checks)."""
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+class RewardDict(TypedDict):
+    """A reward with its named components (logged apart by the runner)."""
+
+    reward: float
+    scores: dict[str, float]
+
 
 _INLINE_MARK = "__nexrl_inline_reward__"
 
 
-def inline_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+def inline_reward(fn: _F) -> _F:
     """Mark a synchronous reward that always returns quickly (no I/O, no solver, time
     bounded by the size of its input): `RewardRunner` then calls it in the caller's
     thread, with no timeout, instead of hopping to a thread that can time it out. The
@@ -37,13 +52,13 @@ class RewardResult:
     scores: dict[str, float] = field(default_factory=dict)
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
+def _is_async(fn: RewardFn) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - an object with `async def __call__`
     )
 
 
-def normalize_result(value: Any) -> tuple[float, dict[str, float]]:
+def normalize_result(value: object) -> tuple[float, dict[str, float]]:
     """(reward, scores) from what a reward returned; a clear error for anything else."""
     if isinstance(value, (int, float)):  # bool included: True -> 1.0. First: the usual
         reward, scores = value, {}  # answer, and a Mapping check (an ABC) costs ~1 us
@@ -74,7 +89,7 @@ class PreparedReward:
     what the process pool receives).
     """
 
-    fn: Callable[..., Any]
+    fn: RewardFn
     seed_signature: bool
     """Takes `(prompt, completion, prompt_ids, completion_ids, **kwargs)` (the seed's shape)."""
     row_keys: frozenset[str] | None
@@ -85,7 +100,7 @@ class PreparedReward:
     """Marked `@inline_reward`: called in the caller's thread even under a timeout."""
 
     @classmethod
-    def of(cls, fn: Callable[..., Any]) -> PreparedReward:
+    def of(cls, fn: RewardFn) -> PreparedReward:
         params = inspect.signature(fn).parameters
         var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -99,12 +114,12 @@ class PreparedReward:
 
     def __call__(
         self,
-        prompt: str,
+        prompt: JSONValue,
         completion: str,
         prompt_ids: list[int],
         completion_ids: list[int],
-        row: Mapping[str, Any],
-    ) -> Any:
+        row: Mapping[str, object],
+    ) -> object:
         """What `fn` returns (a coroutine for an async reward)."""
         keys = self.row_keys
         kwargs = dict(row) if keys is None else {k: v for k, v in row.items() if k in keys}
@@ -114,13 +129,13 @@ class PreparedReward:
 
 
 def call_reward(
-    fn: Callable[..., Any],
-    prompt: str,
+    fn: RewardFn,
+    prompt: JSONValue,
     completion: str,
     prompt_ids: list[int],
     completion_ids: list[int],
-    row: Mapping[str, Any],
-) -> Any:
+    row: Mapping[str, object],
+) -> object:
     """Call `fn` once in the shape its signature asks for (coroutine for an async reward).
 
     Inspects `fn` on every call; for repeated calls keep a `PreparedReward.of(fn)`.

@@ -30,9 +30,16 @@ import builtins
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from nexrl.rewards.sandbox import MAX_CASES, Isolation, Sandbox, SandboxLimits
+from nexrl.rewards.calls import RewardDict
+from nexrl.rewards.sandbox import (
+    MAX_CASES,
+    CallResult,
+    ExecResult,
+    Isolation,
+    Sandbox,
+    SandboxLimits,
+)
 from nexrl.rewards.sandbox_forkserver import ForkServerSandbox
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
@@ -54,7 +61,7 @@ def _same_output(actual: str, expected: str) -> bool:
     return norm(actual) == norm(expected)
 
 
-def parse_tests(row: Mapping[str, Any]) -> list[dict[str, str]]:
+def parse_tests(row: Mapping[str, object]) -> list[dict[str, str]]:
     """The row's tests as a list of {"input", "output"} or {"assert"} dicts; clear errors."""
     if row.get("test_code"):
         if not row.get("entry_point"):
@@ -117,30 +124,33 @@ class CodeReward:
         self.sandbox = sandbox
         self.limits = limits
 
-    def __call__(self, prompt: str, completion: str, **row: Any) -> dict[str, Any]:
+    def __call__(self, prompt: str, completion: str, **row: object) -> RewardDict:
         tests = parse_tests(row)
         code = str(row.get("code_prefix") or "") + extract_code(completion)
         setup = str(row.get("test_setup") or "")
         io = [t for t in tests if "assert" not in t]
         calls = [t["assert"] for t in tests if "assert" in t]
-        names = program_names(calls, setup, row.get("entry_point")) if calls else []
+        entry = row.get("entry_point")
+        entry_point = None if entry is None else str(entry)
+        names = program_names(calls, setup, entry_point) if calls else []
         box = self.sandbox
-        futures = [
+        case_futures = [
             box.submit_fn(
                 box.run_cases, setup + "\n" + code, [t["input"] for t in chunk], self.limits
             )
             for chunk in _chunks(io)
         ]
-        futures += [
+        call_futures = [
             box.submit_fn(box.run_calls, code, chunk, names, setup, self.limits)
             for chunk in _chunks(calls)
         ]
-        results = [r for f in futures for r in f.result()]
+        cases = [r for f in case_futures for r in f.result()]
+        checks = [r for f in call_futures for r in f.result()]
         passed = sum(
-            r.ok and _same_output(r.stdout, t["output"])
-            for t, r in zip(io, results[: len(io)], strict=True)
+            r.ok and _same_output(r.stdout, t["output"]) for t, r in zip(io, cases, strict=True)
         )
-        passed += sum(r.passed for r in results[len(io) :])
+        passed += sum(r.passed for r in checks)
+        results: list[ExecResult | CallResult] = [*cases, *checks]
         return {
             "reward": passed / len(tests),
             "scores": {
@@ -184,7 +194,7 @@ def configure_code_reward(
         return _default
 
 
-def code_reward(prompt: str, completion: str, **row: Any) -> dict[str, Any]:
+def code_reward(prompt: str, completion: str, **row: object) -> RewardDict:
     """The registered `code` reward: a shared fork-server bwrap sandbox, built on first use."""
     with _default_lock:
         reward = _default

@@ -7,7 +7,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 class DaemonExecutor:
@@ -26,8 +28,8 @@ class DaemonExecutor:
         self._idle = 0
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    def submit(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
+        fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")

@@ -19,9 +19,9 @@ import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from nexrl.aio import EventLoopThread
+from nexrl.rewards.calls import RewardDict
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question.\n\n"
@@ -94,10 +94,10 @@ class JudgeReward:
         self.stats = {"requests": 0, "parsed": 0, "unparseable": 0, "request_errors": 0}
         self._lock = threading.Lock()
 
-    async def __call__(self, prompt: str, completion: str, **row: Any) -> dict[str, Any]:
+    async def __call__(self, prompt: str, completion: str, **row: object) -> RewardDict:
         return await asyncio.wrap_future(self._loop.submit(self._judge(prompt, completion, row)))
 
-    def score(self, prompt: str, completion: str, **row: Any) -> dict[str, Any]:
+    def score(self, prompt: str, completion: str, **row: object) -> RewardDict:
         """Blocking form, for code without an event loop."""
         return self._loop.run(self._judge(prompt, completion, row))
 
@@ -105,7 +105,7 @@ class JudgeReward:
         self._loop.run(self._client.close(), timeout=10)
         self._loop.close(timeout=10)
 
-    def render(self, prompt: str, completion: str, row: Mapping[str, Any]) -> str:
+    def render(self, prompt: str, completion: str, row: Mapping[str, object]) -> str:
         try:
             return self.config.template.format(
                 **{**row, "prompt": prompt, "completion": completion}
@@ -116,7 +116,7 @@ class JudgeReward:
                 f"(row keys: {sorted(row)})"
             ) from None
 
-    async def _judge(self, prompt: str, completion: str, row: Mapping[str, Any]) -> dict[str, Any]:
+    async def _judge(self, prompt: str, completion: str, row: Mapping[str, object]) -> RewardDict:
         text = self.render(prompt, completion, row)
         self._count("requests")
         try:

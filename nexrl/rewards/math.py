@@ -21,7 +21,9 @@ from __future__ import annotations
 import math
 import re
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
+
+from nexrl.rewards.calls import RewardDict
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 _GSM8K = re.compile(r"####\s*([^\n]+)")
@@ -78,8 +80,11 @@ def numbers_equal(a: float, b: float, rel_tol: float = 1e-6) -> bool:
 
 # -- math-verify, with a timeout that works off the main thread ------------------
 
+if TYPE_CHECKING:
+    from pebble import ProcessPool
+
 _pool_lock = threading.Lock()
-_pool: Any = None
+_pool: ProcessPool | None = None
 
 
 def _verify_here(gold: str, pred: str, timeout_s: float) -> bool:
@@ -99,7 +104,7 @@ def _as_latex(text: str) -> str:
     return text if ("$" in text or "\\boxed" in text) else f"${text}$"
 
 
-def _verify_pool() -> Any:
+def _verify_pool() -> ProcessPool:
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -136,7 +141,7 @@ def symbolic_equal(gold: str, pred: str, timeout_s: float = 5.0) -> bool:
 # -- the rewards ----------------------------------------------------------------
 
 
-def reference_answer(answer: Any) -> str:
+def reference_answer(answer: object) -> str:
     """The reference from a dataset's `answer` field (a GSM8K solution keeps only `#### n`)."""
     text = str(answer)
     gsm = _GSM8K.findall(text)
@@ -147,8 +152,8 @@ def reference_answer(answer: Any) -> str:
 
 
 def math_reward(
-    prompt: str, completion: str, answer: Any, timeout_s: float = 5.0, **row: Any
-) -> dict[str, Any]:
+    prompt: str, completion: str, answer: object, timeout_s: float = 5.0, **row: object
+) -> RewardDict:
     """1.0 if the completion's final answer equals `answer`, numerically or symbolically.
 
     Components: `format` (an answer could be extracted) and `symbolic` (math-verify
@@ -166,7 +171,7 @@ def math_reward(
     return {"reward": float(correct), "scores": {"format": 1.0, "symbolic": 1.0}}
 
 
-def gsm8k_reward(prompt: str, completion: str, answer: Any, **row: Any) -> float:
+def gsm8k_reward(prompt: str, completion: str, answer: object, **row: object) -> float:
     """Numeric-only GSM8K check (no sympy): the fast path for integer answers."""
     gold, pred = to_number(reference_answer(answer)), extract_answer(completion)
     pred_num = to_number(pred) if pred is not None else None

@@ -16,7 +16,8 @@ import concurrent.futures
 import queue
 import threading
 import time
-from typing import Any
+
+from nexrl.rewards.calls import RewardDict
 
 
 class RewardModelScorer:
@@ -58,11 +59,11 @@ class RewardModelScorer:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="reward-model")
         self._thread.start()
 
-    async def __call__(self, prompt: str, completion: str, **row: Any) -> dict[str, Any]:
+    async def __call__(self, prompt: str, completion: str, **row: object) -> RewardDict:
         reward = await asyncio.wrap_future(self._submit(prompt, completion, row))
         return {"reward": reward, "scores": {"reward_model": reward}}
 
-    def score(self, prompt: str, completion: str, **row: Any) -> float:
+    def score(self, prompt: str, completion: str, **row: object) -> float:
         """Blocking form."""
         return self._submit(prompt, completion, row).result()
 

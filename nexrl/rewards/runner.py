@@ -44,18 +44,31 @@ import multiprocessing
 import re
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypeAlias, TypeVar
 
 from nexrl.rewards.calls import (
     PreparedReward,
+    RewardFn,
     RewardResult,
     call_reward,
     inline_reward,
     normalize_result,
 )
 from nexrl.rewards.executors import DaemonExecutor, InOrderJob
+from nexrl.types import JSONValue
+
+if TYPE_CHECKING:
+    from pebble import ProcessPool
+    from typing_extensions import Unpack
+
+RewardArgs: TypeAlias = "tuple[JSONValue, str, list[int], list[int], Mapping[str, object]]"
+"""One reward call: (prompt, completion, prompt_ids, completion_ids, row); the prompt is
+the row's prompt column (text, or chat messages)."""
+Scored: TypeAlias = "tuple[float, dict[str, float]]"
+"""(reward, named components), as `normalize_result` returns them."""
+_T = TypeVar("_T")
 
 __all__ = [
     "FAILURE_KINDS",
@@ -90,18 +103,18 @@ class RewardOutcome:
 class RewardCall(NamedTuple):
     """The arguments of one reward call, for `RewardRunner.score_many`."""
 
-    prompt: str
+    prompt: JSONValue
     completion: str
     prompt_ids: list[int] | None = None
     completion_ids: list[int] | None = None
-    row: Mapping[str, Any] | None = None
+    row: Mapping[str, object] | None = None
 
-    def args(self) -> tuple[str, str, list[int], list[int], Mapping[str, Any]]:
+    def args(self) -> RewardArgs:
         prompt_ids, completion_ids = list(self.prompt_ids or []), list(self.completion_ids or [])
         return (self.prompt, self.completion, prompt_ids, completion_ids, self.row or {})
 
 
-def _call_in_worker(call: PreparedReward, *args: Any) -> tuple[float, dict[str, float]]:
+def _call_in_worker(call: PreparedReward, *args: Unpack[RewardArgs]) -> Scored:
     """Process-pool entry point: runs an async reward to completion in the worker."""
     value = call(*args)
     if inspect.isawaitable(value):
@@ -109,7 +122,7 @@ def _call_in_worker(call: PreparedReward, *args: Any) -> tuple[float, dict[str, 
     return normalize_result(value)
 
 
-async def _await(value: Any) -> Any:
+async def _await(value: Awaitable[_T]) -> _T:
     return await value
 
 
@@ -123,7 +136,7 @@ class RewardRunner:
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: RewardFn,
         *,
         timeout_s: float | None = 30.0,
         use_process_pool: bool = False,
@@ -138,7 +151,7 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.is_async = self._call.is_async
         self.seed_signature = self._call.seed_signature
-        self._pool: Any = None
+        self._pool: ProcessPool | None = None
         if use_process_pool:
             from pebble import ProcessPool
 
@@ -153,7 +166,7 @@ class RewardRunner:
         self.stats: dict[str, int] = {"calls": 0, **dict.fromkeys(FAILURE_KINDS, 0)}
 
     @property
-    def fn(self) -> Callable[..., Any]:
+    def fn(self) -> RewardFn:
         """The reward function (fixed: its call shape was worked out at construction)."""
         return self._call.fn
 
@@ -167,11 +180,11 @@ class RewardRunner:
 
     def score(
         self,
-        prompt: str,
+        prompt: JSONValue,
         completion: str,
         prompt_ids: list[int] | None = None,
         completion_ids: list[int] | None = None,
-        row: Mapping[str, Any] | None = None,
+        row: Mapping[str, object] | None = None,
     ) -> RewardOutcome:
         """Blocking call; safe from any thread (not from inside a running event loop).
         A sync reward without a timeout, or marked `@inline_reward`, runs in the caller's
@@ -236,11 +249,11 @@ class RewardRunner:
 
     async def ascore(
         self,
-        prompt: str,
+        prompt: JSONValue,
         completion: str,
         prompt_ids: list[int] | None = None,
         completion_ids: list[int] | None = None,
-        row: Mapping[str, Any] | None = None,
+        row: Mapping[str, object] | None = None,
     ) -> RewardOutcome:
         """Awaitable call: the event loop is never blocked by the reward."""
         args = RewardCall(prompt, completion, prompt_ids, completion_ids, row).args()
@@ -274,29 +287,30 @@ class RewardRunner:
 
     # -- internals ---------------------------------------------------------
 
-    def _schedule(self, args: tuple[Any, ...]) -> concurrent.futures.Future:
+    def _schedule(self, args: RewardArgs) -> concurrent.futures.Future[Scored]:
         """One call in the process pool; pebble kills it after `timeout_s`."""
+        assert self._pool is not None  # called only with a pool
         return self._pool.schedule(
             _call_in_worker, args=(self._call, *args), timeout=self.timeout_s
         )
 
-    def _call_inline(self, *args: Any) -> tuple[float, dict[str, float]]:
+    def _call_inline(self, *args: Unpack[RewardArgs]) -> Scored:
         return normalize_result(self._call(*args))
 
-    async def _acall_inline(self, *args: Any) -> tuple[float, dict[str, float]]:
+    async def _acall_inline(self, *args: Unpack[RewardArgs]) -> Scored:
         value = self._call(*args)
         if inspect.isawaitable(value):
             value = await value
         return normalize_result(value)
 
-    def _inline_outcome(self, args: tuple[Any, ...]) -> RewardOutcome:
+    def _inline_outcome(self, args: RewardArgs) -> RewardOutcome:
         try:
             reward, scores = self._call_inline(*args)
         except Exception as exc:  # noqa: BLE001 - see ascore
             return self._failure(exc)
         return RewardOutcome(reward, scores)
 
-    def _iter_in_order(self, calls: list[tuple[Any, ...]]) -> Iterator[RewardOutcome]:
+    def _iter_in_order(self, calls: list[RewardArgs]) -> Iterator[RewardOutcome]:
         """`iter_scores` of a sync reward: one pool-thread job, a new one after a hang."""
         if self._inline:
             for args in calls:
@@ -317,7 +331,7 @@ class RewardRunner:
             finally:
                 job.abandoned = True  # the job skips what it has not started
 
-    def _run_in_order(self, calls: list[tuple[Any, ...]], job: InOrderJob) -> None:
+    def _run_in_order(self, calls: list[RewardArgs], job: InOrderJob) -> None:
         """Pool-thread job: each call in turn, its result posted as soon as it is known."""
         for args in calls:
             if job.abandoned:
@@ -327,19 +341,19 @@ class RewardRunner:
             except BaseException as exc:  # noqa: BLE001 - classified by the caller
                 job.post(False, exc)
 
-    def _outcome_from(self, result: tuple[bool, Any]) -> RewardOutcome:
+    def _outcome_from(self, result: tuple[bool, Scored | BaseException]) -> RewardOutcome:
         ok, value = result
-        if not ok:
+        if isinstance(value, BaseException):
             return self._failure(value)
         reward, scores = value
         return RewardOutcome(reward, scores)
 
     async def _agather(
-        self, calls: list[tuple[Any, ...]], futures: list[concurrent.futures.Future]
+        self, calls: list[RewardArgs], futures: list[concurrent.futures.Future[Scored]]
     ) -> None:
         """Pool-thread job of an async reward: every call in one loop, each timed out."""
 
-        async def one(args: tuple[Any, ...], fut: concurrent.futures.Future) -> None:
+        async def one(args: RewardArgs, fut: concurrent.futures.Future[Scored]) -> None:
             if not fut.set_running_or_notify_cancel():
                 return
             try:
@@ -356,7 +370,7 @@ class RewardRunner:
             return self._failure(exc)
         return RewardOutcome(reward, scores)
 
-    def _failure(self, exc: Exception) -> RewardOutcome:
+    def _failure(self, exc: BaseException) -> RewardOutcome:
         """The outcome of a failed call; a timeout is ours, pebble's or the reward's own."""
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
             return RewardOutcome(

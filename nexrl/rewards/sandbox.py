@@ -45,10 +45,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from nexrl.rewards.sandbox_bwrap import (
     ENV,
@@ -129,6 +129,9 @@ class _Box:
     popen: subprocess.Popen
     workdir: str | None
     served: int = 0
+
+
+_T = TypeVar("_T")
 
 
 class Sandbox:
@@ -235,7 +238,7 @@ class Sandbox:
         """`run` on the sandbox's own threads (up to `max_concurrency` at once)."""
         return self._executor.submit(self.run, code, stdin, limits)
 
-    def submit_fn(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+    def submit_fn(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
         """Any of the run methods on the sandbox's own threads."""
         return self._executor.submit(fn, *args)
 

@@ -15,7 +15,6 @@ import os
 import select
 import struct
 import time
-from typing import Any
 
 
 def write_all(fd: int, frames: list[dict], deadline: float) -> bool:
@@ -74,7 +73,7 @@ EXEC_SHAPE = ((int, type(None)), str, str, bool, bool)
 CALL_SHAPE = (bool, bool, str)
 
 
-def well_formed(results: Any, n: int, shape: tuple) -> bool:
+def well_formed(results: object, n: int, shape: tuple[type, ...]) -> bool:
     if type(results) is not list or len(results) != n:
         return False
     return all(

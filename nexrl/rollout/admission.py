@@ -57,14 +57,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from nexrl.data.base import item_from_state, item_to_state
 from nexrl.execute import execute
 from nexrl.module import NexRLModule
 from nexrl.protocols import DataLoaderLike
 from nexrl.rollout.sample_policy import AdmissionLedger, SamplePolicy
-from nexrl.types import ModelTag, StepResult, Task
+from nexrl.types import JSONDict, ModelTag, PendingTasks, StepResult, Task
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +367,7 @@ class TaskAdmission(NexRLModule):
                 self._live.pop(task_id, None)
         return len(ids)
 
-    def checkpoint_state(self, tag: ModelTag, trained: int) -> dict[str, Any]:
+    def checkpoint_state(self, tag: ModelTag, trained: int) -> PendingTasks:
         """The loader's state and every handed-out task not trained after `trained` steps
         (generating, pooled, in a formed batch not trained yet, tail candidates), taken
         together: `{"dataloader": state or None, "pending_tasks": [item_to_state, ...]}`."""
@@ -386,7 +385,7 @@ class TaskAdmission(NexRLModule):
             ]
         return {"dataloader": loader_state, "pending_tasks": pending}
 
-    def restore(self, pending: list[dict[str, Any]]) -> int:
+    def restore(self, pending: list[JSONDict]) -> int:
         """Resume: put a checkpoint's pending tasks at the front of the loader, in their
         order (call after the loader's own state is loaded). Returns how many."""
         for state in reversed(pending):

@@ -29,9 +29,10 @@ import inspect
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
@@ -39,15 +40,22 @@ from nexrl.aio import EventLoopThread
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.inference.protocol import (
+    Decoder,
     GenerationOutput,
     GenerationRequest,
     GenerationResponse,
+    SampleResult,
+    SamplingKwargs,
+    SamplingParams,
     WeightUpdateMeta,
 )
 from nexrl.registry import import_object
 from nexrl.rollout.base import BaseRolloutWorker, RewardFn, RolloutContext
 from nexrl.rollout.workflow import RolloutWorkflow, as_trajectories, close_workflow
-from nexrl.types import StepResult, Task, Trajectory
+from nexrl.types import JSONDict, StepResult, Task, Trajectory
+
+if TYPE_CHECKING:
+    from nexrl.inference.client import LLMServiceClient
 
 DEFAULT_WORKFLOW = "nexrl.agents.workflows:ToolWorkflow"
 _PUSH_POLL_S = 0.001
@@ -65,10 +73,10 @@ class ClientEngine:
 
     def __init__(
         self,
-        client: Any,
+        client: LLMServiceClient,
         *,
         continue_aborted: bool = False,
-        wait_for_push: Any = None,
+        wait_for_push: Callable[[], object] | None = None,
         temperature: float | None = None,
         executor: Executor | None = None,
     ) -> None:
@@ -83,7 +91,7 @@ class ClientEngine:
         return self.client.version
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Decoder:
         return self.client.tokenizer
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
@@ -101,7 +109,9 @@ class ClientEngine:
             outputs = [self._finish(request.input_ids, o, sampling) for o in outputs]
         return GenerationResponse(list(result["prompt_ids"]), outputs, rid=request.rid)
 
-    def _finish(self, prompt: list[int], out: GenerationOutput, sampling: Any) -> GenerationOutput:
+    def _finish(
+        self, prompt: list[int], out: GenerationOutput, sampling: SamplingParams
+    ) -> GenerationOutput:
         """Continue an aborted sample with the new weights until it really finishes."""
         while out.finish_reason == "abort" and len(out.output_ids) < sampling.max_new_tokens:
             if self._wait_for_push is not None:
@@ -140,22 +150,27 @@ class ClientEngine:
         """The client's engine is shared by the run: it is not this adapter's to stop."""
 
 
-def _kwargs(sampling: Any) -> dict[str, Any]:
-    out = {
+def _kwargs(sampling: SamplingParams) -> SamplingKwargs:
+    """The client's OpenAI-named options for `sampling` (unset ones left out)."""
+    out: SamplingKwargs = {
         "max_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "n": sampling.n,
-        "seed": sampling.seed,
-        "stop": sampling.stop or None,
-        "stop_token_ids": sampling.stop_token_ids or None,
-        "ignore_eos": sampling.ignore_eos or None,
     }
-    return {k: v for k, v in out.items() if v is not None}
+    if sampling.seed is not None:
+        out["seed"] = sampling.seed
+    if sampling.stop:
+        out["stop"] = sampling.stop
+    if sampling.stop_token_ids:
+        out["stop_token_ids"] = sampling.stop_token_ids
+    if sampling.ignore_eos:
+        out["ignore_eos"] = True
+    return out
 
 
-def _output(choice: dict[str, Any]) -> GenerationOutput:
+def _output(choice: SampleResult) -> GenerationOutput:
     ids = list(choice["response_ids"])
     versions = list(choice.get("token_versions") or [])
     return GenerationOutput(
@@ -206,7 +221,7 @@ class AgentRolloutWorker(BaseRolloutWorker):
     def __init__(
         self,
         config: RolloutWorkerConfig,
-        llm_client: Any,
+        llm_client: LLMServiceClient,
         context: RolloutContext,
         reward_fn: RewardFn | None = None,
         workflow: RolloutWorkflow | None = None,
@@ -242,7 +257,7 @@ class AgentRolloutWorker(BaseRolloutWorker):
         return self._put_episodes(episodes)
 
     async def _run_group(
-        self, row: dict[str, Any], n: int, engine: ClientEngine
+        self, row: JSONDict, n: int, engine: ClientEngine
     ) -> list[list[Trajectory] | None]:
         version = engine.version
         runs = [self.workflow.arun_episode(engine, dict(row)) for _ in range(n)]

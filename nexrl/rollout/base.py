@@ -42,26 +42,24 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from omegaconf import DictConfig
 
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.module import BLOCKING_GET_WAIT_S, LoopModule, LoopThread
-from nexrl.protocols import (
-    TaskAdmissionLike,
-    TrajectoryPoolLike,
-    ValidatorLike,
-    WeightSyncLike,
-)
+from nexrl.protocols import TaskAdmissionLike, TrajectoryPoolLike, ValidatorLike, WeightSyncLike
 from nexrl.rewards.runner import RewardCall, RewardOutcome, RewardRunner
 from nexrl.rollout.helpers import HelperThreads
 from nexrl.rollout.sample_policy import resolve_inflight, resolve_partial
 from nexrl.types import DEFAULT_MODEL_TAG, StepResult, Task, Trajectory, check_trajectory
 
 if TYPE_CHECKING:
+    from nexrl.inference.client import LLMServiceClient
+    from nexrl.inference.protocol import CompletionResult
     from nexrl.monitoring.activity import ActivityTrackerProxy
+    from nexrl.types import JSONDict, JSONValue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,7 +124,7 @@ class BaseRolloutWorker(LoopModule):
     def __init__(
         self,
         config: RolloutWorkerConfig,
-        llm_client: Any,
+        llm_client: LLMServiceClient,
         context: RolloutContext,
         reward_fn: RewardFn | None = None,
     ) -> None:
@@ -295,7 +293,7 @@ class BaseRolloutWorker(LoopModule):
         owner = wired(self._admission, "task owner")
         return execute(owner.acquire, self._model_tag(), BLOCKING_GET_WAIT_S)
 
-    def _put_rollout_task(self, task: dict[str, Any] | Task) -> bool:
+    def _put_rollout_task(self, task: JSONDict | Task) -> bool:
         """Give a task back to the front of its loader (through the task owner)."""
         if not isinstance(task, Task):
             validate = self.is_validating_task
@@ -350,7 +348,7 @@ class BaseRolloutWorker(LoopModule):
             )
         return task
 
-    def _process_task(self, task: Task | dict[str, Any]) -> Trajectory:
+    def _process_task(self, task: Task | JSONDict) -> Trajectory:
         """One sample for `task`'s prompt (column `data.prompt_key`, text), with the
         validation temperature on a validation task, as a trajectory of prompt, response
         and finish reason (tokens, logprobs and reward are filled in when it is put).
@@ -434,14 +432,14 @@ class BaseRolloutWorker(LoopModule):
                 traj[key] = sample.get(key)
         traj.setdefault("loss_mask", [1] * len(traj["response_ids"]))
 
-    def score(self, row: dict[str, Any], sample: dict[str, Any]) -> float:
+    def score(self, row: JSONDict, sample: CompletionResult | Trajectory) -> float:
         """The reward of one sample (`reward_fn` in either signature, docs/rewards.md); its
         named components land in `sample["scores"]`. A failed call raises `RewardFailed`
         (reported, the task retried) and is counted in `rewards/failed/<kind>`."""
         rewards = wired(self._rewards, "reward_fn")
         return self._reward_of(row, sample, rewards.score(*self._reward_call(row, sample)))
 
-    def score_group(self, row: dict[str, Any], samples: list[dict[str, Any]]) -> list[float]:
+    def score_group(self, row: JSONDict, samples: list[CompletionResult]) -> list[float]:
         """`score` of every sample of one task in one runner call (one thread hop per group,
         not per sample). The first failed sample raises as in `score`; the samples after
         it are not waited for (those not started yet are cancelled)."""
@@ -453,18 +451,18 @@ class BaseRolloutWorker(LoopModule):
         with contextlib.closing(wired(self._rewards, "reward_fn").iter_scores(calls)) as outcomes:
             return [self._reward_of(row, s, o) for s, o in zip(samples, outcomes, strict=True)]
 
-    def _reward_call(self, row: dict[str, Any], sample: dict[str, Any]) -> RewardCall:
+    def _reward_call(self, row: JSONDict, sample: CompletionResult | Trajectory) -> RewardCall:
         prompt, data = self._reward_row(row)
         return RewardCall(
             prompt, sample["response"], sample.get("prompt_ids"), sample.get("response_ids"), data
         )
 
-    def _reward_row(self, row: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def _reward_row(self, row: JSONDict) -> tuple[JSONValue, JSONDict]:
         """The reward's prompt and the row's other columns, as its keyword arguments."""
         return row.get(self._context.prompt_key), {k: v for k, v in row.items() if k != "prompt"}
 
     def _reward_of(
-        self, row: dict[str, Any], sample: dict[str, Any], outcome: RewardOutcome
+        self, row: JSONDict, sample: CompletionResult | Trajectory, outcome: RewardOutcome
     ) -> float:
         if not outcome.ok:
             self.tracker.increment(f"rewards/failed/{outcome.error}")

@@ -14,15 +14,23 @@ sample started on; staleness uses min(token_versions).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
+
+from nexrl.inference.protocol import CompletionResult, Decoder, SamplingKwargs
+
+if TYPE_CHECKING:
+    from nexrl.inference.client import LLMServiceClient
 
 ABORT = "abort"
 
 
-def split_choices(out: dict[str, Any]) -> list[dict[str, Any]]:
+def split_choices(out: CompletionResult) -> list[CompletionResult]:
     """One dict per sample of a client result (shared keys + the choice's own)."""
-    shared = {k: v for k, v in out.items() if k != "choices"}
-    choices = [{**shared, **c} for c in out.get("choices") or [{}]]
+    choices: list[CompletionResult] = []
+    for choice in out.get("choices") or [{}]:
+        c: CompletionResult = {**out, **choice}
+        c.pop("choices", None)
+        choices.append(c)
     for c in choices:
         c.setdefault("token_versions", [])
         if not c["token_versions"]:
@@ -30,12 +38,14 @@ def split_choices(out: dict[str, Any]) -> list[dict[str, Any]]:
     return choices
 
 
-def aborted(choices: list[dict[str, Any]]) -> list[int]:
+def aborted(choices: list[CompletionResult]) -> list[int]:
     """Indices of samples whose generation was cut by an abort."""
     return [i for i, c in enumerate(choices) if c.get("finish_reason") == ABORT]
 
 
-def merge(prev: dict[str, Any], piece: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+def merge(
+    prev: CompletionResult, piece: CompletionResult, tokenizer: Decoder | None
+) -> CompletionResult:
     """`prev` (aborted) followed by `piece` (its continuation) as one sample."""
     ids = list(prev["response_ids"]) + list(piece["response_ids"])
     versions = list(prev["token_versions"]) + list(
@@ -54,20 +64,21 @@ def merge(prev: dict[str, Any], piece: dict[str, Any], tokenizer: Any) -> dict[s
 
 
 def continue_aborted(
-    client: Any, choices: list[dict[str, Any]], kwargs: dict[str, Any]
-) -> list[dict[str, Any]]:
+    client: LLMServiceClient, choices: list[CompletionResult], kwargs: SamplingKwargs
+) -> list[CompletionResult]:
     """Continue every aborted sample with one request each, concurrently; others unchanged."""
     todo = aborted(choices)
     max_tokens = int(kwargs.get("max_tokens", 64))
     out = list(choices)
 
-    def run(i: int) -> dict[str, Any]:
+    def run(i: int) -> CompletionResult:
         c = choices[i]
         left = max_tokens - len(c["response_ids"])
         if left <= 0:
             return {**c, "finish_reason": "length"}
         ids = list(c["prompt_ids"]) + list(c["response_ids"])
-        piece = client.completion(prompt_ids=ids, **{**kwargs, "n": 1, "max_tokens": left})
+        one: SamplingKwargs = {**kwargs, "n": 1, "max_tokens": left}
+        piece = client.completion(prompt_ids=ids, **one)
         return merge(c, split_choices(piece)[0], getattr(client, "tokenizer", None))
 
     if len(todo) == 1:

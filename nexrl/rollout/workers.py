@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import time
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl.config.schema import RolloutWorkerConfig
 from nexrl.execute import execute
 from nexrl.rollout.base import BaseRolloutWorker, RolloutContext, wired
 from nexrl.rollout.partial import aborted, continue_aborted, split_choices
-from nexrl.types import StepResult, Task, Trajectory
+from nexrl.types import JSONDict, StepResult, Task, Trajectory
+
+if TYPE_CHECKING:
+    from nexrl.inference.client import LLMServiceClient
+    from nexrl.inference.protocol import CompletionResult, SamplingKwargs
 
 _PUSH_POLL_S = 0.001
-Prompt = str | list[dict[str, Any]]
+Prompt = str | list[JSONDict]
 
 
-def chat_prompt(row: dict[str, Any], prompt_key: str, system_prompt: str | None) -> Prompt:
+def chat_prompt(row: JSONDict, prompt_key: str, system_prompt: str | None) -> Prompt:
     """The row's prompt: text, or chat messages (a list of {role, content}); with a
     `system_prompt`, a text prompt becomes [system, user] and a chat gains the system
     message unless it has one."""
@@ -36,6 +40,7 @@ def chat_prompt(row: dict[str, Any], prompt_key: str, system_prompt: str | None)
         prompt = [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"{where} is {type(prompt).__name__}, expected text or chat messages")
+    messages: list[JSONDict] = []
     for i, msg in enumerate(prompt):
         if (
             not isinstance(msg, dict)
@@ -43,13 +48,14 @@ def chat_prompt(row: dict[str, Any], prompt_key: str, system_prompt: str | None)
             or "content" not in msg
         ):
             raise ValueError(f"{where}: message {i} needs a string 'role' and a 'content'")
-    if system_prompt is not None and prompt[0]["role"] != "system":
-        prompt = [{"role": "system", "content": system_prompt}, *prompt]
-    return list(prompt)
+        messages.append(msg)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
 
 
 def make_trajectory(
-    task: dict[str, Any], result: dict[str, Any], reward: float | None, model_tag: str
+    task: JSONDict, result: CompletionResult, reward: float | None, model_tag: str
 ) -> Trajectory:
     """One trajectory from a task row and one sample of the client's result."""
     response_ids = list(result["response_ids"])
@@ -77,7 +83,7 @@ class GroupSampler:
     def __init__(self, worker: BaseRolloutWorker) -> None:
         self._worker = worker
 
-    def sampling_kwargs(self, validate: bool) -> dict[str, Any]:
+    def sampling_kwargs(self, validate: bool) -> SamplingKwargs:
         """The group's request options. One turn, no follow-up: the engine need not keep
         the samples in its prefix cache (`cache_output`; the prompt is kept)."""
         cfg, ctx = self._worker._config, self._worker._context
@@ -97,26 +103,25 @@ class GroupSampler:
             "cache_output": False,
         }
 
-    def first_request(self, prompt: Prompt, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def first_request(self, prompt: Prompt, kwargs: SamplingKwargs) -> CompletionResult:
         """Text prompts go as text; chat prompts are rendered with the tokenizer's chat
         template once, here, and sent as token ids (nothing is re-tokenized later)."""
         client = self._worker._llm_client
         if isinstance(prompt, str):
-            result: dict[str, Any] = client.completion(prompt, **kwargs)
-            return result
+            return client.completion(prompt, **kwargs)
         ids = client.tokenizer.apply_chat_template(
             prompt, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         return {**client.completion(prompt_ids=list(ids), **kwargs), "prompt": prompt}
 
-    def sample(self, task: Task, prompt: Prompt) -> list[dict[str, Any]] | StepResult:
+    def sample(self, task: Task, prompt: Prompt) -> list[CompletionResult] | StepResult:
         """The group's samples, or ABORTED / DEFERRED with `task` updated for its next try."""
         worker, ctx = self._worker, self._worker._context
         client, tracker = worker._llm_client, worker.tracker
         kwargs = self.sampling_kwargs(task.is_validate)
         saved, task.partial = task.partial, None
         if saved:
-            choices = [dict(c) for c in saved]
+            choices = [c.copy() for c in saved]
         else:
             choices = split_choices(self.first_request(prompt, kwargs))
             if choices:
@@ -159,7 +164,7 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     def sampler(self) -> GroupSampler:
         return GroupSampler(self)
 
-    def _prompt(self, row: dict[str, Any]) -> Prompt:
+    def _prompt(self, row: JSONDict) -> Prompt:
         return chat_prompt(row, self._context.prompt_key, self._context.system_prompt)
 
     def step(self, task: Task) -> StepResult:
@@ -193,6 +198,6 @@ class SimpleRolloutWorker(SingleTurnRolloutWorker):
     """Generate a group per task; no reward (a later stage scores it)."""
 
     def __init__(
-        self, config: RolloutWorkerConfig, llm_client: Any, context: RolloutContext
+        self, config: RolloutWorkerConfig, llm_client: LLMServiceClient, context: RolloutContext
     ) -> None:
         super().__init__(config, llm_client, context, reward_fn=None)

@@ -26,13 +26,14 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import SupportsFloat, TypeAlias
 
 from nexrl.agents.tokens import TokenSample
 from nexrl.aio import EventLoopThread
 from nexrl.inference.protocol import (
+    Decoder,
     GenerationRequest,
     GenerationResponse,
     InferenceEngine,
@@ -41,6 +42,8 @@ from nexrl.inference.protocol import (
 from nexrl.types import Trajectory
 
 EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
+Row: TypeAlias = Mapping[str, object]
+"""An episode's data row, opaque to the runner (the workflow reads what it needs)."""
 
 
 class RolloutWorkflow(ABC):
@@ -52,14 +55,14 @@ class RolloutWorkflow(ABC):
     server) is closed by the loop that owns it instead of leaking until exit."""
 
     @abstractmethod
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> EpisodeResult:
+    async def arun_episode(self, engine: InferenceEngine, data: Row) -> EpisodeResult:
         """Run one episode for the data row; None rejects it (nothing is trained)."""
 
     async def aclose(self) -> None:  # noqa: B027 (a hook: overriding it is optional)
         """Release what the episodes opened (default: nothing)."""
 
 
-async def close_workflow(workflow: Any) -> None:
+async def close_workflow(workflow: object) -> None:
     """Await a workflow's close hook; a workflow written without the base class (seed 004
     shows plain classes) may have none, or a plain `close()`."""
     hook = getattr(workflow, "aclose", None) or getattr(workflow, "close", None)
@@ -69,7 +72,9 @@ async def close_workflow(workflow: Any) -> None:
             await result
 
 
-def sample_to_trajectory(sample: TokenSample, tokenizer: Any = None, **extra: Any) -> Trajectory:
+def sample_to_trajectory(
+    sample: TokenSample, tokenizer: Decoder | None = None, **extra: object
+) -> Trajectory:
     """A `TokenSample` (a whole multi-turn sequence with its loss mask) as a pool trajectory:
     the tokens before the first policy token are the prompt, the rest the response (tool
     and user tokens inside it keep `loss_mask` 0)."""
@@ -106,11 +111,16 @@ def fill_masked_versions(traj: Trajectory) -> Trajectory:
     return traj
 
 
-def _row(value: Any) -> list | None:
+def _row(value: object) -> list[float] | None:
     """A tensor / array / list of one sequence as a list (a leading batch dim of 1 dropped)."""
     if value is None:
         return None
-    rows = value.tolist() if hasattr(value, "tolist") else list(value)
+    if hasattr(value, "tolist"):
+        rows = value.tolist()
+    elif isinstance(value, Iterable):
+        rows = list(value)
+    else:
+        raise TypeError(f"an episode's token field is {type(value).__name__}, not a sequence")
     if rows and isinstance(rows[0], list):
         if len(rows) != 1:
             raise ValueError(f"an episode's tensors hold {len(rows)} sequences; return one each")
@@ -118,7 +128,7 @@ def _row(value: Any) -> list | None:
     return rows
 
 
-def from_tensor_dict(item: dict[str, Any]) -> Trajectory:
+def from_tensor_dict(item: Row) -> Trajectory:
     """AReaL-lite's episode output (seed 004: `input_ids`, `loss_mask`, `logprobs`,
     `versions`, `rewards`, optional `attention_mask`; tensors of shape (1, L) or (L,)) as a
     trajectory: the tokens before the first loss-mask 1 are the prompt."""
@@ -150,12 +160,14 @@ def from_tensor_dict(item: dict[str, Any]) -> Trajectory:
         value = reward.tolist() if hasattr(reward, "tolist") else reward
         while isinstance(value, list):  # a (1,) or (1, 1) tensor
             value = value[0]
+        if not isinstance(value, SupportsFloat | str):
+            raise TypeError(f"an episode's reward is {type(value).__name__}, not a number")
         traj["reward"] = float(value)
     return traj
 
 
 def as_trajectories(
-    result: EpisodeResult, tokenizer: Any = None, version: int | None = None
+    result: EpisodeResult, tokenizer: Decoder | None = None, version: int | None = None
 ) -> list[Trajectory] | None:
     """An episode's answer as a list of trajectory dicts (None stays None: rejected).
 
@@ -187,7 +199,7 @@ def as_trajectories(
     return out
 
 
-def _is_tensor_dict(item: dict[str, Any]) -> bool:
+def _is_tensor_dict(item: Row) -> bool:
     return "input_ids" in item and "response_ids" not in item
 
 
@@ -224,7 +236,7 @@ class WorkflowExecutor:
         return self.engine.health()
 
     # -- batch API -------------------------------------------------------------------------
-    def submit(self, data: dict[str, Any], workflow: RolloutWorkflow) -> Future:
+    def submit(self, data: Row, workflow: RolloutWorkflow) -> Future[None]:
         """Start one episode now; its result is collected by `wait`."""
         with self._lock:
             self._pending += 1
@@ -232,7 +244,7 @@ class WorkflowExecutor:
         coro = self._episode(dict(data), workflow)
         return self._loop.submit(coro)
 
-    async def _episode(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
+    async def _episode(self, data: Row, workflow: RolloutWorkflow) -> None:
         try:
             version = self.engine.version
             result = await workflow.arun_episode(self.engine, data)
@@ -270,9 +282,7 @@ class WorkflowExecutor:
             done += 1
         return accepted
 
-    def rollout(
-        self, data: Iterable[dict[str, Any]], workflow: RolloutWorkflow
-    ) -> list[Trajectory]:
+    def rollout(self, data: Iterable[Row], workflow: RolloutWorkflow) -> list[Trajectory]:
         """Run one episode per row and wait for all (the seed's `rollout_batch`); rejected
         episodes are left out."""
         rows = list(data)
@@ -293,7 +303,7 @@ class WorkflowExecutor:
 
     def prepare_batch(
         self,
-        dataloader: Iterable[dict[str, Any]] | Iterable[list[dict[str, Any]]],
+        dataloader: Iterable[Row] | Iterable[list[Row]],
         workflow: RolloutWorkflow,
         should_accept: Callable[[list[Trajectory]], bool] | None = None,
         batch_size: int | None = None,
@@ -322,14 +332,14 @@ class WorkflowExecutor:
                 done += 1
         return accepted
 
-    def _rows(self, dataloader: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    def _rows(self, dataloader: Iterable[Row] | Iterable[list[Row]]) -> Iterator[Row]:
         if not hasattr(self, "_row_iter") or self._row_source is not dataloader:
             self._row_source = dataloader
             self._row_iter = self._flatten(dataloader)
         return self._row_iter
 
     @staticmethod
-    def _flatten(dataloader: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    def _flatten(dataloader: Iterable[Row] | Iterable[list[Row]]) -> Iterator[Row]:
         for item in dataloader:
             yield from (item if isinstance(item, list) else [item])
 

@@ -13,9 +13,18 @@ talks HTTP to a `nexrl train-service`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from nexrl.registry import Registry
 
-TRAIN_ENGINES = Registry("train backend", "service.train_service.backend")
+if TYPE_CHECKING:
+    from nexrl.training.config import EngineConfig
+    from nexrl.training.protocol import TrainEngine
+
+TRAIN_ENGINES: Registry[Callable[[EngineConfig, str], TrainEngine]] = Registry(
+    "train backend", "service.train_service.backend"
+)
 TRAIN_ENGINES.add("builtin", "nexrl.training.torch_engine:TorchTrainEngine")
 TRAIN_ENGINES.add("process", "nexrl.training.process_engine:ProcessTrainEngine")
 

@@ -36,9 +36,9 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -169,7 +169,7 @@ def load(engine: TorchTrainEngine, path: str) -> None:
     _set_rng_state(trainer_state["rng"])
 
 
-def _read(root: Path, name: str, read: Any) -> Any:
+def _read(root: Path, name: str, read: Callable[[], _T]) -> _T:
     """`read()`, with a file that does not parse reported as one line naming it."""
     try:
         return read()
@@ -247,17 +247,43 @@ def atomic_directory(
         raise
 
 
-def seal(folder: Path, hash_files: bool = False, durable: bool = True) -> dict[str, Any]:
+class ManifestEntry(TypedDict, total=False):
+    """One file of a `COMPLETE` manifest: its size, and its sha256 when hashed."""
+
+    size: int
+    sha256: str
+
+
+class Manifest(TypedDict):
+    """The `COMPLETE` marker's JSON: written last, so a checkpoint with it is whole."""
+
+    format: int
+    saved_at: float
+    files: dict[str, ManifestEntry]
+
+
+class RngState(TypedDict, total=False):
+    """The random generators' states saved with a checkpoint (`cuda` when there is one)."""
+
+    torch: torch.Tensor
+    python: tuple[int, Sequence[int], float | None]
+    cuda: list[torch.Tensor]
+
+
+_T = TypeVar("_T")
+
+
+def seal(folder: Path, hash_files: bool = False, durable: bool = True) -> Manifest:
     """fsync every file of `folder`, then write the `COMPLETE` manifest (sizes, opt. sha256)."""
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, ManifestEntry] = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE_FILE):
         if durable:
             _fsync_file(f)
-        entry: dict[str, Any] = {"size": f.stat().st_size}
+        entry: ManifestEntry = {"size": f.stat().st_size}
         if hash_files:
             entry["sha256"] = _sha256(f)
         files[f.relative_to(folder).as_posix()] = entry
-    manifest = {"format": MANIFEST_FORMAT, "saved_at": time.time(), "files": files}
+    manifest: Manifest = {"format": MANIFEST_FORMAT, "saved_at": time.time(), "files": files}
     marker = folder / COMPLETE_FILE
     marker.write_text(json.dumps(manifest, indent=1))
     if durable:
@@ -302,7 +328,7 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> str | None
     return None
 
 
-def manifest_files(marker: Path) -> dict[str, dict[str, Any]]:
+def manifest_files(marker: Path) -> dict[str, ManifestEntry]:
     """The `files` map of a `COMPLETE` manifest; ValueError saying what is wrong with it."""
     try:
         manifest = json.loads(marker.read_text())
@@ -371,14 +397,14 @@ def read_hf_weights(root: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rng_state() -> RngState:
+    state: RngState = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

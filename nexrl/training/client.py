@@ -20,7 +20,7 @@ connection could not be made, so an optimizer step is never applied twice.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import httpx
 import torch
@@ -120,6 +120,10 @@ class TrainServiceClient:
             return self._engine.load(path)
         self._remote().json("POST", "/load", json={"path": path}, idempotent=True)
 
+    @overload
+    def export_weights(self, path: None = None, copy: bool = True) -> dict[str, torch.Tensor]: ...
+    @overload
+    def export_weights(self, path: str, copy: bool = True) -> str: ...
     def export_weights(
         self, path: str | None = None, copy: bool = True
     ) -> dict[str, torch.Tensor] | str:

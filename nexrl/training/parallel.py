@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +80,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def launch_local(fn: Callable[..., object], world_size: int, *args: object) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes with the env set.
 
     For tests and single-host CPU runs; `fn` must be importable (a module-level function).
@@ -92,7 +91,9 @@ def launch_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     mp.spawn(_entry, args=(fn, world_size, port, args), nprocs=world_size, join=True)
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple) -> None:
+def _entry(
+    rank: int, fn: Callable[..., object], world_size: int, port: int, args: tuple[object, ...]
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

@@ -38,8 +38,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +51,9 @@ from nexrl.spawn import spawn_context
 from nexrl.training import wire
 from nexrl.training.config import EngineConfig
 from nexrl.types import Batch
+
+if TYPE_CHECKING:
+    from nexrl.training.torch_engine import TorchTrainEngine
 
 _ERRORS: dict[str, type[Exception]] = {
     e.__name__: e for e in (ValueError, KeyError, TypeError, FileNotFoundError, OSError)
@@ -94,7 +100,10 @@ class ProcessTrainEngine:
 
     @property
     def pid(self) -> int:
-        return int(self._proc.pid)
+        pid = self._proc.pid
+        if pid is None:  # never: `_spawn` starts it
+            raise RuntimeError("the trainer child was not started")
+        return pid
 
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         return self._call("compute_logprobs", batch)[0]["logprobs"]
@@ -106,7 +115,7 @@ class ProcessTrainEngine:
         return tensors.get("logprobs")
 
     def train_batch(
-        self, batch: Batch, loss_fn: str, loss_kwargs: dict[str, Any]
+        self, batch: Batch, loss_fn: str, loss_kwargs: Mapping[str, object]
     ) -> dict[str, float]:
         args = {"loss_fn": loss_fn, "loss_kwargs": dict(loss_kwargs or {})}
         return self._call("train_batch", batch, **args)[1]
@@ -189,7 +198,7 @@ class ProcessTrainEngine:
     def _silent(self, op: str, wait: float) -> RuntimeError:
         """A child that sent nothing for `wait` s: killed (it holds the run's only
         optimizer state, but a stopped or stuck one never gives it back)."""
-        state = _process_state(self._proc.pid)
+        state = _process_state(self.pid)
         self._proc.kill()
         self._proc.join(timeout=10)
         return RuntimeError(
@@ -216,7 +225,7 @@ def _process_state(pid: int) -> str:
 
 
 # -- the child -----------------------------------------------------------------------------
-def _spawn() -> tuple[Any, Any]:
+def _spawn() -> tuple[SpawnProcess, Connection]:
     """A new child and the parent's end of its pipe; the child waits for its config."""
     ctx = spawn_context()
     conn, child_conn = ctx.Pipe()
@@ -230,7 +239,7 @@ class _Beat:
     """The child's heartbeat: `{"beat": true}` every `HEARTBEAT_S` while `busy` is set.
     Every send of the child goes through `send` (one lock: messages never interleave)."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn, self.lock, self.busy = conn, threading.Lock(), threading.Event()
         threading.Thread(target=self._run, name="nexrl-trainer-beat", daemon=True).start()
 
@@ -250,7 +259,7 @@ class _Beat:
                     return  # the parent is gone
 
 
-def child_main(conn: Any) -> None:
+def child_main(conn: Connection) -> None:
     """Import the engine, take its config from the pipe, build it and say so; then answer
     calls until told to stop or the pipe closes."""
     beat = _Beat(conn)
@@ -279,7 +288,7 @@ def child_main(conn: Any) -> None:
         beat.send(reply)
 
 
-def _build_engine(conn: Any, beat: _Beat) -> Any | None:
+def _build_engine(conn: Connection, beat: _Beat) -> TorchTrainEngine | None:
     """The engine, built from the config the parent sends; None when the parent sends none
     (a discarded spare) or the build fails (the parent is told why)."""
     from nexrl.training.torch_engine import TorchTrainEngine
@@ -301,12 +310,14 @@ def _build_engine(conn: Any, beat: _Beat) -> Any | None:
 class _Served:
     """One engine's ops, and the shared buffer its exports go to."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TorchTrainEngine) -> None:
         self.engine = engine
         self.layout: Layout = []
         self.views: list[torch.Tensor] = []
 
-    def handle(self, args: dict[str, Any], tensors: dict) -> tuple[dict, Any]:
+    def handle(
+        self, args: dict[str, Any], tensors: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], object]:
         op, engine = args["op"], self.engine
         if op == "compute_logprobs":
             return {"logprobs": engine.compute_logprobs(Batch(tensors))}, None
@@ -321,7 +332,9 @@ class _Served:
         if op == "export":
             if args.get("path"):
                 return {}, engine.export_weights(args["path"])
-            return {}, self.export(engine.export_weights(None, copy=False))
+            state = engine.export_weights(None, copy=False)
+            assert not isinstance(state, str)  # no path: the state dict itself
+            return {}, self.export(state)
         raise ValueError(f"unknown op {op!r}")
 
     def export(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def create_app(engine: TorchTrainEngine, api_key: str | None = None) -> FastAPI:
         return Response(content=wire.pack(payload), media_type=wire.CONTENT_TYPE)
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    def health() -> dict[str, object]:
         return {
             "status": "ok",
             "step": engine.step,
@@ -76,13 +76,13 @@ def create_app(engine: TorchTrainEngine, api_key: str | None = None) -> FastAPI:
             return engine.train_batch(batch, args["loss_fn"], args.get("loss_kwargs") or {})
 
     @app.post("/save", dependencies=[Depends(auth)])
-    def save(body: dict[str, Any]) -> dict[str, int]:
+    def save(body: dict[str, object]) -> dict[str, int]:
         with lock:
             engine.save(_path(body))
             return {"step": engine.step}
 
     @app.post("/load", dependencies=[Depends(auth)])
-    def load(body: dict[str, Any]) -> dict[str, int]:
+    def load(body: dict[str, object]) -> dict[str, int]:
         with lock:
             engine.load(_path(body))
             return {"step": engine.step}
@@ -96,10 +96,11 @@ def create_app(engine: TorchTrainEngine, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def _path(body: dict[str, Any]) -> str:
-    if not isinstance(body.get("path"), str):
+def _path(body: dict[str, object]) -> str:
+    path = body.get("path")
+    if not isinstance(path, str):
         raise HTTPException(status_code=422, detail="body needs a string 'path'")
-    return body["path"]
+    return path
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

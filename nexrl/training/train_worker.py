@@ -16,7 +16,7 @@ import shutil
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,14 +37,17 @@ from nexrl.protocols import (
     DataLoaderLike,
     TaskAdmissionLike,
     TrainBatchPoolLike,
+    WeightArrays,
     WeightSyncLike,
 )
 from nexrl.training.checkpoint import atomic_directory
 from nexrl.training.client import TrainServiceClient
-from nexrl.types import DEFAULT_MODEL_TAG, Batch
+from nexrl.types import DEFAULT_MODEL_TAG, Batch, LoaderState
 
 if TYPE_CHECKING:
     import torch
+
+    from nexrl.distributed.dp_train import RayDataParallelTrainClient
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,9 @@ class PhaseTimer:
         return {f"timing/{name}_s": s for name, s in self.seconds.items()}
 
 
-def staleness_metrics(step: int, min_versions: list[int], serving_version: int) -> dict[str, Any]:
+def staleness_metrics(
+    step: int, min_versions: list[int], serving_version: int
+) -> dict[str, float | dict[str, int]]:
     """Staleness of each sample trained at `step`: `step - min(token_versions)`."""
     stale = [step - v for v in min_versions]
     hist = Counter(stale)
@@ -82,7 +87,7 @@ def staleness_metrics(step: int, min_versions: list[int], serving_version: int) 
     }
 
 
-def logprob_gap(values: dict[str, Any]) -> float:
+def logprob_gap(values: Mapping[str, torch.Tensor]) -> float:
     """Mean |old - behaviour| logprob on policy tokens: 0 when engine and trainer agree."""
     mask = values["loss_mask"]
     gap = (values["old_logprobs"] - values["behavior_logprobs"]).abs() * mask
@@ -102,7 +107,7 @@ class LossSpec:
     """The named loss and how each batch is cut into optimizer steps (from `algorithm.*`)."""
 
     loss_fn: str
-    loss_kwargs: dict[str, Any]
+    loss_kwargs: dict[str, object]
     num_mini_batches: int
     ppo_epochs: int
 
@@ -126,7 +131,7 @@ class TrainWorker(LoopModule):
     def __init__(
         self,
         config: TrainWorkerConfig,
-        train_client: Any,
+        train_client: TrainServiceClient | RayDataParallelTrainClient,
         loss: LossSpec,
         checkpoint_path: str,
         sync_weight_path: str,
@@ -309,7 +314,7 @@ class TrainWorker(LoopModule):
         wsc = self._weight_sync_controller
         return wsc is not None and is_remote(wsc.train_worker_notify_weight_update)
 
-    def _export_for_push(self) -> dict[str, Any] | None:
+    def _export_for_push(self) -> WeightArrays | None:
         """This step's export: the state dict when it travels with the push call (memory
         transport to another process), else None (exported where the engine reads it)."""
         if self._weights_in_memory and self._engine_elsewhere():
@@ -342,7 +347,7 @@ class TrainWorker(LoopModule):
         (a crash mid-save leaves no `global_step_N`; docs/reliability.md)."""
         step = self._step if step is None else step
         path = self._checkpoint_path / f"global_step_{step}"
-        state: dict[str, Any] = {"step": step, **self._task_state(step), **self._ledger()}
+        state: dict[str, object] = {"step": step, **self._task_state(step), **self._ledger()}
         with atomic_directory(path) as staging:
             self._client.save_checkpoint(str(staging))
             (staging / STATE_FILE).write_text(json.dumps(state))
@@ -357,7 +362,7 @@ class TrainWorker(LoopModule):
         logger.info("saved checkpoint %s", path)
         return str(path)
 
-    def _task_state(self, step: int) -> dict[str, Any]:
+    def _task_state(self, step: int) -> LoaderState:
         """The loader position and the tasks handed out but not trained after `step` steps,
         from the task owner in one snapshot (exactly once across crashes); without one,
         the loader position alone."""
@@ -370,7 +375,7 @@ class TrainWorker(LoopModule):
             return {"dataloader": execute(self._dataloader.state_dict)}
         return {}
 
-    def _ledger(self) -> dict[str, Any]:
+    def _ledger(self) -> dict[str, dict[str, int]]:
         """The task ledger's settled counts, read after `_task_state`'s snapshot, so that a
         resumed run's end-of-run line covers the whole run (nexrl/monitoring/ledger.py)."""
         if self._activity_tracker is None:

@@ -9,6 +9,7 @@ Only tensor fields of a `Batch` travel; the engine reads nothing else.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ ARGS_KEY = "nexrl_args"
 CONTENT_TYPE = "application/octet-stream"
 
 
-def pack(tensors: dict[str, torch.Tensor], args: dict[str, Any] | None = None) -> bytes:
+def pack(tensors: dict[str, torch.Tensor], args: Mapping[str, object] | None = None) -> bytes:
     """Tensors (made contiguous, CPU, unshared) plus JSON `args` as safetensors bytes."""
     clean = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     return save(clean, metadata={ARGS_KEY: json.dumps(args or {})})
@@ -33,7 +34,7 @@ def unpack(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, json.loads(header.get(ARGS_KEY, "{}"))
 
 
-def pack_batch(batch: Batch, args: dict[str, Any] | None = None) -> bytes:
+def pack_batch(batch: Batch, args: Mapping[str, object] | None = None) -> bytes:
     tensors = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
     return pack(tensors, args)
 
