@@ -113,6 +113,9 @@ def vllm_run(model: Path, dtype: str, threads: int, smoke: bool) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = compare_servers(model, batches, max_tokens, dtype, threads, _wait_for, Path(tmp))
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=resolve_dtype(dtype)).eval()
+    # one short call first: the first `generate` of a process pays one-time set-up (several
+    # seconds), which the servers paid in their own warm-up waves
+    hf_tokens_per_s(hf, tok, batches[levels[-1]], 4, 1)
     for c, batch in batches.items():
         speed = hf_tokens_per_s(hf, tok, batch, max_tokens, 1)
         rows.append({"server": "hf", "c": c, "tokens_per_s": speed, "ttft_s": float("nan")})

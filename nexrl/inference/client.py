@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
@@ -30,7 +31,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from nexrl.config.derived import LOCAL_BACKENDS
 from nexrl.config.schema import InferenceServiceConfig
 from nexrl.execute import execute
-from nexrl.inference.factory import build_local_engine, check_engine_options
+from nexrl.inference.factory import build_local_engine, check_engine_options, engine_identity
 from nexrl.inference.protocol import (
     CompletionResult,
     GenerationRequest,
@@ -55,6 +56,7 @@ RECENT_SAMPLES = 256
 FIRST_RETRY_WAIT_S, MAX_RETRY_WAIT_S = 0.1, 2.0  # transport retries: 0.1, 0.2, 0.4 ... 2 s
 
 _local_engines: dict[str, InferenceEngine] = {}
+_local_identities: dict[str, dict[str, object]] = {}
 _local_lock = threading.Lock()
 
 
@@ -76,10 +78,25 @@ def create_engine(config: Mapping) -> InferenceEngine:
 def get_local_engine(config: Mapping) -> InferenceEngine:
     """The process-wide engine for `config['model_tag']`, created on first use (thread-safe)."""
     tag = _cfg(config, "model_tag", "default")
+    identity = engine_identity(config)
     with _local_lock:
         if tag not in _local_engines:
             _local_engines[tag] = create_engine(config)
+            _local_identities[tag] = identity
+        elif identity != _local_identities[tag]:
+            _warn_shared_engine(tag, _local_identities[tag], identity)
         return _local_engines[tag]
+
+
+def _warn_shared_engine(tag: str, first: dict[str, object], asked: dict[str, object]) -> None:
+    keys = sorted(k for k in first.keys() | asked.keys() if first.get(k) != asked.get(k))
+    diff = ", ".join(f"{k}={asked.get(k)!r} (running: {first.get(k)!r})" for k in keys)
+    warnings.warn(
+        f"model_tag {tag!r}: this process already runs that engine with other settings, and "
+        f"this client shares it: {diff}. Give the client its own model_tag for an engine of "
+        "its own.",
+        stacklevel=3,
+    )
 
 
 def shutdown_local_engines() -> None:
@@ -88,6 +105,7 @@ def shutdown_local_engines() -> None:
         for engine in _local_engines.values():
             engine.shutdown()
         _local_engines.clear()
+        _local_identities.clear()
     if "nexrl.inference.vllm_server" in sys.modules:  # managed vLLM servers of the run
         sys.modules["nexrl.inference.vllm_server"].shutdown_servers()
 

@@ -78,6 +78,12 @@ ENGINE_BUILDERS.add("builtin", build_engine)
 ENGINE_BUILDERS.add("hf", build_hf_engine)
 
 
+def engine_identity(config: Mapping[str, Any]) -> dict[str, object]:
+    """What makes two configs the same in-process engine: backend, model and engine options."""
+    options = {k: config[k] for k in ENGINE_OPTIONS if config.get(k) is not None}
+    return {"backend": config.get("backend") or "builtin", "model": config.get("model"), **options}
+
+
 def build_local_engine(config: Mapping[str, Any]) -> InferenceEngine:
     """A new engine in this process for `config` (`backend`, `model` and engine options)."""
     backend = config.get("backend") or "builtin"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -99,6 +100,20 @@ def test_local_engine_shared_per_tag(tiny_path):
         assert len(out["response_ids"]) <= 3
         other = get_local_engine({"backend": "builtin", "model": str(tiny_path), "model_tag": "t2"})
         assert isinstance(other, Engine) and other is not e1
+    finally:
+        shutdown_local_engines()
+
+
+def test_a_second_config_for_a_running_tag_is_warned_about(tiny_path):
+    """Same tag, other engine options: the client shares the running engine, and says so."""
+    try:
+        cfg = {"backend": "hf", "model": str(tiny_path), "model_tag": "t3"}
+        first = get_local_engine(cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same settings again: silent
+            assert get_local_engine({**cfg, "timeout": 5}) is first  # not an engine option
+        with pytest.warns(UserWarning, match=r"model_tag 't3'.*backend='builtin'.*'hf'"):
+            assert get_local_engine({**cfg, "backend": "builtin"}) is first
     finally:
         shutdown_local_engines()
 
