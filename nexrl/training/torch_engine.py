@@ -42,6 +42,7 @@ from nexrl.training.microbatch import (
 from nexrl.training.model_parts import (
     can_chunk,
     checkpointing_on,
+    join_projections,
     pick_device,
     seed_everything,
     unwrap,
@@ -95,6 +96,8 @@ class TorchTrainEngine:
             self.model = self._prepare(model.to(self.device), trainable=True)
         if self.config.lora is not None:
             self.model = apply_lora(self.model, self.config.lora)
+        elif self.world_size == 1 and self.device.type == "cpu":
+            join_projections(self.model)  # an engine sharing these tensors copies none of them
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
         self._release_s = 0.0  # this step's seconds in `_release`
