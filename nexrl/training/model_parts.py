@@ -87,11 +87,12 @@ def join_projections(model: torch.nn.Module) -> int:
     joined = 0
     for block in layers if isinstance(layers, torch.nn.ModuleList) else ():
         for parent, names in JOINED_PROJECTIONS:
-            linears = [getattr(getattr(block, parent, None), name, None) for name in names]
-            if all(isinstance(linear, torch.nn.Linear) for linear in linears):
+            found = [getattr(getattr(block, parent, None), name, None) for name in names]
+            linears = [m for m in found if isinstance(m, torch.nn.Linear)]
+            if len(linears) == len(names):
                 joined += _join_rows([linear.weight for linear in linears])
-                biases = [linear.bias for linear in linears]
-                if all(b is not None for b in biases):
+                biases = [linear.bias for linear in linears if linear.bias is not None]
+                if len(biases) == len(names):
                     _join_rows(biases)
     return joined
 
