@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -97,7 +97,7 @@ def join_projections(model: torch.nn.Module) -> int:
     return joined
 
 
-def _join_rows(params: list[torch.nn.Parameter]) -> int:
+def _join_rows(params: Sequence[torch.Tensor]) -> int:
     if len({(p.dtype, p.device, p.shape[1:]) for p in params}) > 1:
         return 0
     block = torch.cat([p.detach() for p in params])
