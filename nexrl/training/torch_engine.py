@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from nexrl.algorithms.objective import compute_loss
 from nexrl.host_memory import release_freed_memory, release_wanted
+from nexrl.inference.weights import join_projections
 from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_state_dict
 from nexrl.models.sources import resolve_model
 from nexrl.models.threads import threads_for, use_threads
@@ -42,7 +43,6 @@ from nexrl.training.microbatch import (
 from nexrl.training.model_parts import (
     can_chunk,
     checkpointing_on,
-    join_projections,
     pick_device,
     seed_everything,
     unwrap,
