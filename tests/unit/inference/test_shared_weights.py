@@ -79,3 +79,26 @@ def test_engine_sharing_the_trainers_weights_keeps_no_joined_copy(tiny_path):
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_weight_update_hands_back_the_prefix_caches_pages(tiny_path):
+    """The prefix cache's store is allocated anew at the clear of a weight update (once
+    something was cached), so the engine does not hold the most it ever cached; what it
+    generates is the same."""
+    engine = Engine(tiny_path, max_batch_size=4, max_model_len=64, matmul="torch")
+    try:
+        prefix = engine.prefix
+        empty = prefix.k[0].data_ptr()
+        engine.reset_prefix_cache()  # nothing cached yet: the same store
+        assert prefix.k[0].data_ptr() == empty
+        before = _greedy(engine)
+        assert prefix.stats["cached_tokens"] > 0
+        filled = prefix.k[0].untyped_storage().data_ptr()
+        state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        engine.update_weights(WeightUpdateMeta(1, state_dict=state))
+        assert prefix.stats["cached_tokens"] == 0
+        assert prefix.k[0].untyped_storage().data_ptr() != filled
+        assert _storage(prefix.v[-1])[0] == _storage(prefix.k[0])[0]  # one block
+        assert _greedy(engine) == before
+    finally:
+        engine.shutdown()
