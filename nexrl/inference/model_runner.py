@@ -3,10 +3,9 @@
 Why not the HF forward: at decode time the tiny models spend most of their time in
 Python (module calls, cache objects, mask building). This runner reads the weights of
 the model `from_pretrained` built (the same checkpoint; `load_state_dict` updates reach
-it after `refresh()`), fuses q/k/v and gate/up into single matmuls (over the model's own
-tensors where they lie in one, as `weights.join_projections` lays out the models the
-engine loads and the trainer's that a sync run shares with it; else a joined copy),
-and runs one
+it after `refresh()`), fuses q/k/v and gate/up into single matmuls (a joined copy, or none
+where they already lie in one tensor: the trainer's layout, `weights.join_projections`,
+that a sync run in one process shares with the engine), and runs one
 forward for the whole running batch with a preallocated cache. Linears go through
 `kernels.linear_for` (oneDNN for large products on a CPU). On a GPU the decode step is
 replayed from CUDA graphs (`cuda_graphs.py`).
@@ -115,7 +114,7 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
 def _join(*ts: torch.Tensor) -> torch.Tensor:
     """`ts` joined along rows. Tensors that already are consecutive row blocks of one
     tensor (`weights.join_projections`) give the view over them: the engine then
-    multiplies by the model's own tensor (or a trainer's it shares) instead of a copy."""
+    multiplies by the trainer's tensor it shares instead of a copy."""
     view = _view_over(*ts)
     return view if view is not None else torch.cat(ts, dim=0)
 

@@ -51,9 +51,8 @@ def load_model_and_tokenizer(model_path: str | Path, dtype: str | torch.dtype, d
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=resolve_dtype(dtype), attn_implementation="sdpa"
-    ).to(device)
-    join_projections(model)  # the engine's fused matmuls read these tensors, no copy
-    return model.eval(), tokenizer
+    )
+    return model.to(device).eval(), tokenizer
 
 
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
@@ -185,9 +184,9 @@ def join_projections(model: torch.nn.Module) -> int:
     consecutive row blocks of one tensor (weights and biases apart): the parameters become
     views of it, with the same values (they train as before). The built-in engine then
     multiplies by the joined matrix in place instead of keeping a concatenated copy
-    (SmolLM2: 0.26 GiB; nexrl/inference/model_runner.py): it joins the model it loads,
-    and the trainer joins its own, which an engine in the same process takes as its
-    weights in a sync run (`SharedState`). Returns the groups joined."""
+    (SmolLM2: 0.26 GiB; nexrl/inference/model_runner.py): the trainer joins its own,
+    which an engine in the same process takes as its weights in a sync run
+    (`SharedState`). Returns the groups joined."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     joined = 0
     for block in layers if isinstance(layers, torch.nn.ModuleList) else ():

@@ -43,6 +43,7 @@ from nexrl.training.microbatch import (
 from nexrl.training.model_parts import (
     can_chunk,
     checkpointing_on,
+    own_memory,
     pick_device,
     seed_everything,
     unwrap,
@@ -97,6 +98,7 @@ class TorchTrainEngine:
         if self.config.lora is not None:
             self.model = apply_lora(self.model, self.config.lora)
         elif self.world_size == 1 and self.device.type == "cpu":
+            own_memory(self.model)  # no page of the checkpoint file stays mapped
             join_projections(self.model)  # an engine sharing these tensors copies none of them
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
