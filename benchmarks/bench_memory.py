@@ -267,7 +267,8 @@ def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
     while proc.poll() is None:
         try:
             tree = psutil.Process(proc.pid).children(recursive=True)  # the largest, as time -v
-            samples.append((time.perf_counter() - start, max(p.memory_info().rss for p in tree)))
+            rss = max((p.memory_info().rss for p in tree), default=0)  # 0: not started yet
+            samples.append((time.perf_counter() - start, rss))
         except psutil.Error:
             pass
         time.sleep(1.0)
