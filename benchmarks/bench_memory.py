@@ -10,11 +10,13 @@ PPO-clip loss on full-length rows whose second half is the response.
     python benchmarks/bench_memory.py --scale     # SmolLM2-135M: rows x tokens
     python benchmarks/bench_memory.py --fit       # random SmolLM2-family 360M (full), 1.7B (LoRA)
     python benchmarks/bench_memory.py --grads     # SmolLM2: gradients in one block vs per parameter
+    python benchmarks/bench_memory.py --engine    # generation: a joined copy vs the trainer's
     python benchmarks/bench_memory.py --recipe [--baseline DIR] [--steps 3]
         # /usr/bin/time -v nexrl train --config-name smollm2_arithmetic, DIR's tree vs this one
         # (--runs KEEP: the runs' logs and each second's RSS, rss.tsv, are kept there)
 
-Last line: `peak_rss_gib_at_largest:` (smoke, scale, fit) or `recipe_peak_rss_new_vs_old:`.
+Last line: `peak_rss_gib_at_largest:` (smoke, scale, fit), `recipe_peak_rss_new_vs_old:`
+or `shared_vs_copy_tokens_per_s:` (engine).
 """
 
 from __future__ import annotations
@@ -174,6 +176,62 @@ def grid(args) -> list[dict]:
     ]
 
 
+def engine_speed(args) -> tuple[list[str], str]:
+    """The recipe's generation (8 prompts x 8 samples, 46 + 16 tokens) on SmolLM2 by two
+    engines in one process: one with its own weights (q/k/v and gate/up joined into a
+    copy), one that took the trainer's tensors (`SharedState`: the joined matrices are
+    the trainer's own, no copy). Alternated rounds; same seeds, so the same tokens; a
+    first round warms both up."""
+    import torch
+
+    from nexrl.inference.engine import Engine
+    from nexrl.inference.protocol import GenerationRequest, SamplingParams, WeightUpdateMeta
+    from nexrl.inference.weights import SharedState
+    from nexrl.models.tiny import default_model_path
+    from nexrl.training.torch_engine import TorchTrainEngine
+
+    model = str(default_model_path()) if args.smoke else "smollm2"
+    trainer = TorchTrainEngine({"lr": 1e-5}, model)
+    options = dict(max_batch_size=64, max_model_len=80, matmul="torch", prefix_cache_gib=0)
+    engines = {
+        "joined copy": Engine(model, **options),
+        "trainer's tensors": Engine(model, **options),
+    }
+    engines["joined copy"].update_weights(WeightUpdateMeta(1, state_dict=trainer.export_weights()))
+    shared = SharedState(trainer.export_weights(copy=False))
+    engines["trainer's tensors"].update_weights(WeightUpdateMeta(1, state_dict=shared))
+    g = torch.Generator().manual_seed(0)
+    vocab = trainer.model.get_input_embeddings().weight.shape[0]
+    prompts = [torch.randint(3, vocab, (46,), generator=g).tolist() for _ in range(8)]
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list] = {}
+    for round_ in range(args.rounds + 1):  # round 0 warms both up (not counted)
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            futures = [
+                engine.submit(
+                    GenerationRequest(ids, SamplingParams(16, n=8, seed=i, ignore_eos=True))
+                )
+                for i, ids in enumerate(prompts)
+            ]
+            outs = [f.result() for f in futures]
+            if round_:
+                times[name].append(time.perf_counter() - start)
+            tokens[name] = [o.output_ids for r in outs for o in r.outputs]
+    for engine in engines.values():
+        engine.shutdown()
+    same = tokens["joined copy"] == tokens["trainer's tensors"]
+    lines = ["| engine weights | tokens/s by round | best tokens/s |", "|---|---|---|"]
+    best = {}
+    for name, ts in times.items():
+        rates = [64 * 16 / t for t in ts]
+        best[name] = max(rates)
+        lines.append(f"| {name} | {', '.join(f'{r:.0f}' for r in rates)} | {best[name]:.0f} |")
+    lines += ["", f"Same tokens from both engines: {same}."]
+    ratio = best["trainer's tensors"] / best["joined copy"]
+    return lines, f"shared_vs_copy_tokens_per_s: {ratio:.3f}"
+
+
 def recipe_run(tree: Path, steps: int, out: Path, overrides: list[str]) -> dict:
     """`/usr/bin/time -v nexrl train` of the recipe with `tree` on PYTHONPATH; the RSS of
     the run is also sampled each second into `out/rss.tsv` (where in the run the peak is)."""
@@ -209,7 +267,8 @@ def _sample_rss(proc: subprocess.Popen) -> list[tuple[float, int]]:
     while proc.poll() is None:
         try:
             tree = psutil.Process(proc.pid).children(recursive=True)  # the largest, as time -v
-            samples.append((time.perf_counter() - start, max(p.memory_info().rss for p in tree)))
+            rss = max((p.memory_info().rss for p in tree), default=0)  # 0: not started yet
+            samples.append((time.perf_counter() - start, rss))
         except psutil.Error:
             pass
         time.sleep(1.0)
@@ -253,6 +312,8 @@ def main() -> None:
     p.add_argument("--shape", action="append", dest="shapes", help="360M or 1.7B (--fit)")
     p.add_argument("--scale-steps", type=int, default=2, help="steps per geometry (--scale)")
     p.add_argument("--recipe", action="store_true")
+    p.add_argument("--engine", action="store_true", help="generation: joined copy vs shared")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds (--engine)")
     p.add_argument("--baseline", help="a checkout of the nexrl to compare (--recipe)")
     p.add_argument("--steps", type=int, default=3, help="recipe train steps (--recipe)")
     p.add_argument("--override", action="append", dest="overrides", default=[],
@@ -267,7 +328,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    if args.recipe:
+    if args.engine:
+        lines, last = engine_speed(args)
+        title = ": SmolLM2 generation, the engine's joined copy vs the trainer's tensors"
+    elif args.recipe:
         out = results_dir(args)
         with tempfile.TemporaryDirectory() as tmp:
             args.out = args.runs or tmp  # the two runs' folders
@@ -283,6 +347,9 @@ def main() -> None:
         last = f"peak_rss_gib_at_largest: {results[-1]['peak_rss_gib']:.2f}"
         title = ": what fits in 24 GiB" if args.fit else ": a SmolLM2-135M train step"
         title += ", the gradients' layout (two rounds)" if args.grads else ""
+    if args.smoke:  # the engine comparison too, one round on the tiny model
+        args.rounds = 1
+        lines += ["", *engine_speed(args)[0]]
     print("\n".join(lines))
     if not args.smoke:
         head = section_head(title)

@@ -3,7 +3,9 @@
 Why not the HF forward: at decode time the tiny models spend most of their time in
 Python (module calls, cache objects, mask building). This runner reads the weights of
 the model `from_pretrained` built (the same checkpoint; `load_state_dict` updates reach
-it after `refresh()`), fuses q/k/v and gate/up into single matmuls, and runs one
+it after `refresh()`), fuses q/k/v and gate/up into single matmuls (a joined copy, or none
+where they already lie in one tensor: the trainer's layout, `weights.join_projections`,
+that a sync run in one process shares with the engine), and runs one
 forward for the whole running batch with a preallocated cache. Linears go through
 `kernels.linear_for` (oneDNN for large products on a CPU). On a GPU the decode step is
 replayed from CUDA graphs (`cuda_graphs.py`).
@@ -103,9 +105,37 @@ def plan_kv_cache(
 
 
 def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+    """Biases joined along rows (`_join`; None: none of them, zeros for a missing one)."""
     if all(t is None for t in ts):
         return None
-    return torch.cat([t if t is not None else torch.zeros(0) for t in ts], dim=0)
+    return _join(*(t if t is not None else torch.zeros(0) for t in ts))
+
+
+def _join(*ts: torch.Tensor) -> torch.Tensor:
+    """`ts` joined along rows. Tensors that already are consecutive row blocks of one
+    tensor (`weights.join_projections`) give the view over them: the engine then
+    multiplies by the trainer's tensor it shares instead of a copy."""
+    view = _view_over(*ts)
+    return view if view is not None else torch.cat(ts, dim=0)
+
+
+def _view_over(*ts: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks `ts` are, or None where they are not."""
+    first = ts[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in ts:
+        same = t.dtype == first.dtype and t.device == first.device
+        if not (same and t.shape[1:] == first.shape[1:] and t.is_contiguous()):
+            return None
+        if t.numel() == 0 or t.untyped_storage().data_ptr() != storage:
+            return None
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.detach().as_strided(
+        (rows, *first.shape[1:]), first.stride(), first.storage_offset()
+    )
 
 
 @dataclass
@@ -210,14 +240,14 @@ def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor])
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
         ln1=block.input_layernorm.weight,
-        qkv_w=pack(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+        qkv_w=pack(_join(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
         qkv_b=_cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
         o_w=pack(attn.o_proj.weight),
         o_b=attn.o_proj.bias,
         q_norm=qn.weight if qn is not None else None,
         k_norm=kn.weight if kn is not None else None,
         ln2=block.post_attention_layernorm.weight,
-        gate_up_w=pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        gate_up_w=pack(_join(mlp.gate_proj.weight, mlp.up_proj.weight)),
         gate_up_b=_cat(mlp.gate_proj.bias, mlp.up_proj.bias),
         down_w=pack(mlp.down_proj.weight),
         down_b=mlp.down_proj.bias,

@@ -7,7 +7,8 @@ a token trie; an admitted prompt's longest cached prefix is copied into its cach
 and only the rest of it runs through the model.
 
 Store: per layer one K and one V tensor of `capacity` token slots, `(capacity, kv,
-head_dim)`, allocated empty (pages are touched as slots fill). Trie: a cached token
+head_dim)`, views of one block allocated empty (pages are touched as slots fill) and
+allocated anew at a clear. Trie: a cached token
 is a slot, its node; one dict maps (parent slot, token) to the child's slot, and flat
 lists hold each slot's parent, token, child count and last use, so caching a token
 allocates no Python object (the engine caches every prompt and sample: with an object
@@ -71,9 +72,11 @@ class PrefixCache:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"prefix cache capacity must be >= 1 token, got {capacity}")
-        shape = (capacity, n_kv, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self._size = (2, n_layers, capacity, n_kv, head_dim)
+        self._dtype, self._device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._fresh = 0
         self.capacity, self.n_kv = capacity, n_kv
         self._parent, self._token = [0] * capacity, [0] * capacity
         self._children, self._used = [0] * capacity, [0] * capacity
@@ -101,7 +104,14 @@ class PrefixCache:
         return cls(len(runner.k_cache), runner.n_kv, runner.head_dim, capacity, k.dtype, k.device)
 
     def clear(self) -> None:
-        """Forget every cached token (after a weight update)."""
+        """Forget every cached token (after a weight update). The store is one allocation,
+        made anew once a slot was written: the pages the old one held go back to the OS
+        (a CPU allocator maps a block this large on its own) and the new one's are touched
+        as slots fill: the engine holds what it cached since the last update, not the
+        most it ever cached (in a sync run, the trainer's update runs beside it)."""
+        if not self.k or self._fresh:
+            store = torch.empty(self._size, dtype=self._dtype, device=self._device)
+            self.k, self.v = list(store[0]), list(store[1])
         self._child: dict[int, int] = {}  # _key(parent slot, token) -> slot
         self._free: list[int] = []  # evicted slots
         self._fresh = 0  # slots [fresh, capacity) were never used since the last clear

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,44 @@ def _adopt(targets: dict[str, torch.Tensor], state: SharedState) -> dict[str, An
         else:
             rest[k] = v
     return rest
+
+
+JOINED_PROJECTIONS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    ("mlp", ("gate_proj", "up_proj")),
+)
+"""The linears of a decoder layer that an inference engine multiplies as one matrix."""
+
+
+@torch.no_grad()
+def join_projections(model: torch.nn.Module) -> int:
+    """Lay out each decoder layer's q/k/v projections, and its gate/up projections, as
+    consecutive row blocks of one tensor (weights and biases apart): the parameters become
+    views of it, with the same values (they train as before). The built-in engine then
+    multiplies by the joined matrix in place instead of keeping a concatenated copy
+    (SmolLM2: 0.26 GiB; nexrl/inference/model_runner.py): the trainer joins its own,
+    which an engine in the same process takes as its weights in a sync run
+    (`SharedState`). Returns the groups joined."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    joined = 0
+    for block in layers if isinstance(layers, torch.nn.ModuleList) else ():
+        for parent, names in JOINED_PROJECTIONS:
+            found = [getattr(getattr(block, parent, None), name, None) for name in names]
+            linears = [m for m in found if isinstance(m, torch.nn.Linear)]
+            if len(linears) == len(names):
+                joined += _join_rows([linear.weight for linear in linears])
+                biases = [linear.bias for linear in linears if linear.bias is not None]
+                if len(biases) == len(names):
+                    _join_rows(biases)
+    return joined
+
+
+def _join_rows(params: Sequence[torch.Tensor]) -> int:
+    if len({(p.dtype, p.device, p.shape[1:]) for p in params}) > 1:
+        return 0
+    block = torch.cat([p.detach() for p in params])
+    offset = 0
+    for p in params:
+        p.data = block[offset : offset + p.shape[0]]
+        offset += p.shape[0]
+    return 1

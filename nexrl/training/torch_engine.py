@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from nexrl.algorithms.objective import compute_loss
 from nexrl.host_memory import release_freed_memory, release_wanted
+from nexrl.inference.weights import join_projections
 from nexrl.models.lora import apply_lora, is_peft, load_lora_checkpoint, merged_state_dict
 from nexrl.models.sources import resolve_model
 from nexrl.models.threads import threads_for, use_threads
@@ -42,6 +43,7 @@ from nexrl.training.microbatch import (
 from nexrl.training.model_parts import (
     can_chunk,
     checkpointing_on,
+    own_memory,
     pick_device,
     seed_everything,
     unwrap,
@@ -95,6 +97,9 @@ class TorchTrainEngine:
             self.model = self._prepare(model.to(self.device), trainable=True)
         if self.config.lora is not None:
             self.model = apply_lora(self.model, self.config.lora)
+        elif self.world_size == 1 and self.device.type == "cpu":
+            own_memory(self.model)  # no page of the checkpoint file stays mapped
+            join_projections(self.model)  # an engine sharing these tensors copies none of them
         self.train_module = wrap_model(self.model, self.config.dp_strategy, self.device)
         self._n_params = sum(p.numel() for p in self.model.parameters())
         self._release_s = 0.0  # this step's seconds in `_release`
