@@ -38,6 +38,7 @@ from nexrl.inference.cuda_graphs import DecodeGraphs, keep_addresses
 from nexrl.inference.fused import fused_ops, torch_add_rms_norm, torch_silu_mul
 from nexrl.inference.fused import rms_norm as _rms
 from nexrl.inference.kernels import linear_for, weight_packer
+from nexrl.inference.weights import cat_rows, join_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -102,40 +103,6 @@ def plan_kv_cache(
             f"(at most {fits} fits) or max_batch_size, or raise kv_cache_gib"
         )
     return max_model_len
-
-
-def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
-    """Biases joined along rows (`_join`; None: none of them, zeros for a missing one)."""
-    if all(t is None for t in ts):
-        return None
-    return _join(*(t if t is not None else torch.zeros(0) for t in ts))
-
-
-def _join(*ts: torch.Tensor) -> torch.Tensor:
-    """`ts` joined along rows. Tensors that already are consecutive row blocks of one
-    tensor (`weights.join_projections`) give the view over them: the engine then
-    multiplies by the trainer's tensor it shares instead of a copy."""
-    view = _view_over(*ts)
-    return view if view is not None else torch.cat(ts, dim=0)
-
-
-def _view_over(*ts: torch.Tensor) -> torch.Tensor | None:
-    """The tensor whose consecutive row blocks `ts` are, or None where they are not."""
-    first = ts[0]
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in ts:
-        same = t.dtype == first.dtype and t.device == first.device
-        if not (same and t.shape[1:] == first.shape[1:] and t.is_contiguous()):
-            return None
-        if t.numel() == 0 or t.untyped_storage().data_ptr() != storage:
-            return None
-        if t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in ts)
-    return first.detach().as_strided(
-        (rows, *first.shape[1:]), first.stride(), first.storage_offset()
-    )
 
 
 @dataclass
@@ -240,15 +207,15 @@ def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor])
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
         ln1=block.input_layernorm.weight,
-        qkv_w=pack(_join(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
-        qkv_b=_cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
+        qkv_w=pack(join_rows(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
+        qkv_b=cat_rows(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
         o_w=pack(attn.o_proj.weight),
         o_b=attn.o_proj.bias,
         q_norm=qn.weight if qn is not None else None,
         k_norm=kn.weight if kn is not None else None,
         ln2=block.post_attention_layernorm.weight,
-        gate_up_w=pack(_join(mlp.gate_proj.weight, mlp.up_proj.weight)),
-        gate_up_b=_cat(mlp.gate_proj.bias, mlp.up_proj.bias),
+        gate_up_w=pack(join_rows(mlp.gate_proj.weight, mlp.up_proj.weight)),
+        gate_up_b=cat_rows(mlp.gate_proj.bias, mlp.up_proj.bias),
         down_w=pack(mlp.down_proj.weight),
         down_b=mlp.down_proj.bias,
     )

@@ -210,3 +210,37 @@ def _join_rows(params: Sequence[torch.Tensor]) -> int:
         p.data = block[offset : offset + p.shape[0]]
         offset += p.shape[0]
     return 1
+
+
+def cat_rows(*ts: torch.Tensor | None) -> torch.Tensor | None:
+    """Biases joined along rows (`join_rows`; None: none of them, zeros for a missing one)."""
+    if all(t is None for t in ts):
+        return None
+    return join_rows(*(t if t is not None else torch.zeros(0) for t in ts))
+
+
+def join_rows(*ts: torch.Tensor) -> torch.Tensor:
+    """`ts` joined along rows. Tensors that already are consecutive row blocks of one
+    tensor (`join_projections`) give the view over them: the engine then
+    multiplies by the trainer's tensor it shares instead of a copy."""
+    view = view_over(*ts)
+    return view if view is not None else torch.cat(ts, dim=0)
+
+
+def view_over(*ts: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks `ts` are, or None where they are not."""
+    first = ts[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in ts:
+        same = t.dtype == first.dtype and t.device == first.device
+        if not (same and t.shape[1:] == first.shape[1:] and t.is_contiguous()):
+            return None
+        if t.numel() == 0 or t.untyped_storage().data_ptr() != storage:
+            return None
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.detach().as_strided(
+        (rows, *first.shape[1:]), first.stride(), first.storage_offset()
+    )

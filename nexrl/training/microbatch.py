@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nexrl.training.parallel import all_reduce_sum
 from nexrl.training.vocab_projection import projected_logprobs
 
 
@@ -184,3 +185,45 @@ def _to_model_layout(select: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     if inputs.packed:
         return select[inputs.grid_mask][None]
     return select[:, : inputs.input_ids.shape[1]]
+
+
+SUMMED_METRICS = ("loss", "entropy")  # plus every name ending in "_loss"
+
+
+def accumulate_metrics(sums, loss, metrics, tokens: float) -> None:
+    """Add a micro-batch's loss and metrics to `sums` (summed or token-weighted)."""
+    sums["loss"] += float(loss.detach())
+    sums["_tokens"] += tokens
+    for name, value in metrics.items():
+        v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if name in SUMMED_METRICS or name.endswith("_loss"):
+            sums[name] += v
+        else:
+            sums[f"_w_{name}"] += v * tokens
+
+
+def reduce_metrics(
+    sums: dict[str, float], global_tokens: float, device: torch.device
+) -> dict[str, float]:
+    """Sum normalised losses over ranks; token-weighted mean of the other metrics."""
+    names = sorted(sums)
+    reduced = all_reduce_sum(
+        torch.tensor([sums[n] for n in names], dtype=torch.float64, device=device)
+    )
+    out: dict[str, float] = {}
+    for name, value in zip(names, reduced.tolist(), strict=True):
+        if name.startswith("_w_"):
+            out[name[3:]] = value / max(global_tokens, 1.0)
+        elif not name.startswith("_"):
+            out[name] = value
+    return out
+
+
+def all_reduce_max(n: int, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return n
+    t = torch.tensor([n], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

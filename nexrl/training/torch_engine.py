@@ -35,8 +35,11 @@ from nexrl.training import checkpoint
 from nexrl.training.config import EngineConfig
 from nexrl.training.masks import dense_masks_apply, model_attention_mask
 from nexrl.training.microbatch import (
+    accumulate_metrics,
+    all_reduce_max,
     chunked_token_logprobs,
     make_inputs,
+    reduce_metrics,
     split_by_tokens,
     token_logprobs,
 )
@@ -61,7 +64,6 @@ from nexrl.types import Batch
 logger = logging.getLogger(__name__)
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask")
-SUMMED_METRICS = ("loss", "entropy")  # plus every name ending in "_loss"
 GPU_SHARED_PREFIX_FLOPS = 2e12
 """On a GPU, auto `shared_prefix` needs to save this much forward + backward arithmetic
 (6 x parameters x tokens saved): about what launching a second forward and backward
@@ -311,7 +313,7 @@ class TorchTrainEngine:
                 (loss * (weight * self.world_size)).backward()
             metrics = {**metrics, **filled}
             if weight:
-                _accumulate(sums, loss, metrics, float(mb["loss_mask"].sum()))
+                accumulate_metrics(sums, loss, metrics, float(mb["loss_mask"].sum()))
         sums["model_tokens"] = float(self._model_tokens)
         return self._finish_step(sums, totals)
 
@@ -342,7 +344,7 @@ class TorchTrainEngine:
         groups = split_by_tokens(attention_mask, self.config.micro_batch_tokens)
         if not groups:
             raise ValueError("empty batch: a data-parallel rank needs at least one row")
-        n = _all_reduce_max(len(groups), self.device)
+        n = all_reduce_max(len(groups), self.device)
         return [(g, 1.0) for g in groups] + [(groups[0][:1], 0.0)] * (n - len(groups))
 
     def _finish_step(self, sums: dict[str, float], totals: torch.Tensor) -> dict[str, float]:
@@ -357,7 +359,7 @@ class TorchTrainEngine:
         if self._releases_memory():
             self.optimizer.zero_grad(set_to_none=True)  # the gradients' block is unmapped
         self._release()
-        metrics = _reduce_metrics(sums, float(totals[0]), totals.device)
+        metrics = reduce_metrics(sums, float(totals[0]), totals.device)
         if self._releases_memory():
             metrics["release_s"], self._release_s = self._release_s, 0.0
         metrics.update(
@@ -462,44 +464,6 @@ def fill_old_logprobs(mb: dict[str, torch.Tensor], lp: torch.Tensor) -> dict[str
     mask = mb["loss_mask"].float()
     gap = ((lp.detach() - mb["behavior_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
     return {"behavior_old_logprob_absdiff": gap}
-
-
-def _accumulate(sums, loss, metrics, tokens: float) -> None:
-    sums["loss"] += float(loss.detach())
-    sums["_tokens"] += tokens
-    for name, value in metrics.items():
-        v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-        if name in SUMMED_METRICS or name.endswith("_loss"):
-            sums[name] += v
-        else:
-            sums[f"_w_{name}"] += v * tokens
-
-
-def _reduce_metrics(
-    sums: dict[str, float], global_tokens: float, device: torch.device
-) -> dict[str, float]:
-    """Sum normalised losses over ranks; token-weighted mean of the other metrics."""
-    names = sorted(sums)
-    reduced = all_reduce_sum(
-        torch.tensor([sums[n] for n in names], dtype=torch.float64, device=device)
-    )
-    out: dict[str, float] = {}
-    for name, value in zip(names, reduced.tolist(), strict=True):
-        if name.startswith("_w_"):
-            out[name[3:]] = value / max(global_tokens, 1.0)
-        elif not name.startswith("_"):
-            out[name] = value
-    return out
-
-
-def _all_reduce_max(n: int, device: torch.device) -> int:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return n
-    t = torch.tensor([n], device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def autocast_for(name: str, device: torch.device, flops: float) -> torch.dtype | None:
