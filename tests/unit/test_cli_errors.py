@@ -52,7 +52,8 @@ def test_ctrl_c_during_training_is_one_line(tmp_path, tiny_model_path):
         "rollout_worker.num_workers=2", "validate.validate_before_train=false",
         "logger.backend=[jsonl]",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    # faulthandler: a run that does not stop is aborted below with every thread's stack
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     for line in proc.stdout:  # the run has started once it names its folder
@@ -60,7 +61,12 @@ def test_ctrl_c_during_training_is_one_line(tmp_path, tiny_model_path):
             break
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"the run did not stop within 120 s of Ctrl-C; its threads:\n{err[-6000:]}")
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert "nexrl train: interrupted (Ctrl-C); run dir" in err
