@@ -44,6 +44,13 @@ def test_serve_on_cuda_without_a_gpu_is_a_usage_error(capsys):
         serve.check_args(parser, args)
 
 
+def _terminal_sigint() -> None:
+    """Ctrl-C as a terminal delivers it. A test run started in the background by a
+    non-interactive shell ignores SIGINT, and a child inherits the ignore: Python then
+    installs no KeyboardInterrupt handler and the run would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_training_is_one_line(tmp_path, tiny_model_path):
     cmd = [
@@ -54,7 +61,14 @@ def test_ctrl_c_during_training_is_one_line(tmp_path, tiny_model_path):
     ]  # fmt: skip
     # faulthandler: a run that does not stop is aborted below with every thread's stack
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=_terminal_sigint,
+    )
     deadline = time.monotonic() + 300
     for line in proc.stdout:  # the run has started once it names its folder
         if line.startswith("nexrl: run dir") or time.monotonic() > deadline:
