@@ -47,6 +47,7 @@ from nexrl.inference.sampler import encode_text
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from nexrl.inference.remote import RemoteBackend
     from nexrl.protocols import WeightSyncLike
 
 _T = TypeVar("_T")
@@ -197,7 +198,7 @@ class LLMServiceClient:
         self.max_retries = section.max_retries
         # the HTTP clients' errors only for a remote engine: a local run then never imports
         # the openai SDK (0.3 s of a fresh run's start-up on 2 CPU cores)
-        transient = (ConnectionError, TimeoutError)
+        transient: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
         if self.backend in REMOTE_BACKENDS:
             transient += _remote_errors()
         self._transient = transient
@@ -216,7 +217,7 @@ class LLMServiceClient:
         self._sample_ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self._controller: WeightSyncLike | None = None
         self._engine: InferenceEngine | None = None
-        self._remote = None
+        self._remote: RemoteBackend | None = None
         if self.backend in LOCAL_BACKENDS:
             check_engine_options(section.engine)
             self._engine = engine or get_local_engine(self.config)
@@ -235,10 +236,22 @@ class LLMServiceClient:
         return self._model_tag
 
     @property
-    def version(self) -> int:
+    def _backend(self) -> InferenceEngine | RemoteBackend:
+        """The local engine, else the remote one (`__init__` always sets one of them)."""
         if self._engine is not None:
-            return self._engine.version
-        return self._remote.version
+            return self._engine
+        assert self._remote is not None
+        return self._remote
+
+    @property
+    def _local(self) -> InferenceEngine:
+        if self._engine is None:
+            raise RuntimeError(f"backend {self.backend!r} has no local engine")
+        return self._engine
+
+    @property
+    def version(self) -> int:
+        return self._backend.version
 
     @property
     def tokenizer(self):
@@ -260,8 +273,10 @@ class LLMServiceClient:
         self._wait_for_weight_sync()
         if self._remote is not None:
             return self._record(self._retrying(self._remote.completion, prompt, prompt_ids, kwargs))
-        ids = prompt_ids if prompt_ids is not None else self._encode(prompt)
-        return self._record(self._retrying(self._local_generate, prompt, ids, kwargs))
+        if prompt_ids is None:
+            assert prompt is not None  # exactly one of the two, checked above
+            prompt_ids = self._encode(prompt)
+        return self._record(self._retrying(self._local_generate, prompt, prompt_ids, kwargs))
 
     def _record(self, result: CompletionResult) -> CompletionResult:
         """Keep the latest samples (token ids, logprobs, versions) by sample id, so that a
@@ -357,14 +372,15 @@ class LLMServiceClient:
     def _local_generate(
         self, prompt: str | None, ids: list[int], kwargs: SamplingKwargs
     ) -> CompletionResult:
-        version = self._engine.version
+        engine = self._local
+        version = engine.version
         request = GenerationRequest(
             list(ids),
             sampling_from_kwargs(kwargs),
             rid=kwargs.get("rid"),
             cache_output=bool(kwargs.get("cache_output", True)),
         )
-        response = self._engine.generate(request)
+        response = engine.generate(request)
         return result_dict(prompt, response, version)
 
     def _encode(self, prompt: str) -> list[int]:
@@ -412,17 +428,16 @@ class LLMServiceClient:
             time.sleep(_BLOCK_POLL_S)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        target = self._engine if self._engine is not None else self._remote
-        self._control(target.update_weights, meta)
+        self._control(self._backend.update_weights, meta)
 
     def pause(self) -> None:
-        self._control((self._engine or self._remote).pause)
+        self._control(self._backend.pause)
 
     def resume(self) -> None:
-        self._control((self._engine or self._remote).resume)
+        self._control(self._backend.resume)
 
     def abort(self, rid: str | None = None) -> None:
-        self._control((self._engine or self._remote).abort, rid)
+        self._control(self._backend.abort, rid)
 
     def _control(self, fn: Callable[..., object], *args: object) -> None:
         try:

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,7 @@ class Engine:
 
             model_path = default_model_path()
         self.model_path = str(model_path)
-        model, tok = model_and_tokenizer or load_model_and_tokenizer(model_path, dtype, device)
+        model, tok = model_and_tokenizer or load_model_and_tokenizer(self.model_path, dtype, device)
         self.model, self.tokenizer = model, tok
         self.threads = threads_for(model, threads, "engine option threads")
         # the cache is (max_batch_size, max_model_len) rows: sized by the budget, never by
@@ -347,7 +347,7 @@ class Engine:
     def _prefill(self, chosen: list[Pending]) -> None:
         """Prefill `chosen`: prompts that share a prefix nobody has cached go in two
         waves, one prompt per shared prefix first (see `prefix_cache.split_waves`)."""
-        waves = [list(range(len(chosen)))]
+        waves: Sequence[list[int]] = [list(range(len(chosen)))]
         if self.prefix is not None:
             waves = self.prefix.split_waves([p.request.input_ids for p in chosen])
         for wave in waves:
@@ -382,7 +382,8 @@ class Engine:
         tokens = torch.zeros(len(chosen), int(lengths.max()), dtype=torch.long)
         for i, (ids, c) in enumerate(zip(prompts, cached, strict=True)):
             tokens[i, : len(ids) - len(c)] = torch.tensor(ids[len(c) :])
-        rows, src = [], []
+        rows: list[Row] = []
+        src: list[int] = []
         for i, p in enumerate(chosen):
             n, seed = p.request.sampling.n, p.request.sampling.seed
             rows.extend(
@@ -409,7 +410,7 @@ class Engine:
             return
         taken = self.batch.take_outputs(finished, self.tokenizer)
         if self.prefix is not None:
-            self._cache_samples(finished, taken)
+            self._cache_samples(self.prefix, finished, taken)
         for row, output in taken:
             row.pending.finish_sample(row.index, output)
             if row.pending.left == 0:
@@ -418,7 +419,9 @@ class Engine:
         if dst.numel():  # cache positions past the movers' own are never read: not copied
             self.runner.move_rows(src, dst, span)
 
-    def _cache_samples(self, rows: list[int], taken: list[tuple[Row, GenerationOutput]]) -> None:
+    def _cache_samples(
+        self, prefix: PrefixCache, rows: list[int], taken: list[tuple[Row, GenerationOutput]]
+    ) -> None:
         """Finished samples into the prefix cache, but those of requests that send no next
         turn (`cache_output` off); see `PrefixCache.insert_samples`."""
         samples = []
@@ -426,7 +429,7 @@ class Engine:
             request, anchor = row.pending.request, row.pending.prefix_anchor
             if request.cache_output:
                 samples.append((j, request.input_ids, out.output_ids, out.output_versions, anchor))
-        self.prefix.insert_samples(self.runner, samples, self._version)
+        prefix.insert_samples(self.runner, samples, self._version)
 
     def _abort(self, rid: str | None) -> None:
         self._waiting.extend(self._inbox)

@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl.config.options import ENGINE_DEFAULTS as _D
 from nexrl.config.options import ENGINE_OPTIONS, InferenceEngineConfig, engine_config
 from nexrl.inference.protocol import InferenceEngine
 from nexrl.registry import Registry
+
+if TYPE_CHECKING:
+    from nexrl.inference.engine import Engine
+    from nexrl.inference.hf_engine import HFEngine
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +35,13 @@ def check_engine_options(options: Mapping[str, Any]) -> InferenceEngineConfig:
 HF_OPTIONS = ("dtype", "device", "max_model_len")  # HFEngine preallocates no KV cache
 
 
-def build_engine(model_path: str | Path | None = None, **options: Any) -> InferenceEngine:
+def build_engine(model_path: str | Path | None = None, **options: Any) -> Engine | HFEngine:
     """The fast `Engine` when the architecture is supported, else `HFEngine` (the
     `builtin` backend; also importable from `nexrl.inference.engine`)."""
     import torch
 
     from nexrl.inference.engine import Engine
-    from nexrl.inference.model_runner import is_supported
+    from nexrl.inference.model_shapes import is_supported
     from nexrl.inference.weights import load_model_and_tokenizer
 
     if model_path is None:

@@ -20,11 +20,15 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from nexrl.inference import native
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # the class of a loaded C function (`ctypes._CFuncPtr`)
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +39,8 @@ SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
 class FusedOps:
     """The two operations for tensors of one dtype (rows contiguous, on the CPU)."""
 
-    _add_rms_norm: ctypes._CFuncPtr
-    _silu_mul: ctypes._CFuncPtr
+    _add_rms_norm: CFuncPtr
+    _silu_mul: CFuncPtr
     parallel: bool
 
     def _threads(self) -> int:

@@ -38,17 +38,8 @@ from nexrl.inference.cuda_graphs import DecodeGraphs, keep_addresses
 from nexrl.inference.fused import fused_ops, torch_add_rms_norm, torch_silu_mul
 from nexrl.inference.fused import rms_norm as _rms
 from nexrl.inference.kernels import linear_for, weight_packer
+from nexrl.inference.model_shapes import CausalLM, DecoderBlock, is_supported
 from nexrl.inference.weights import cat_rows, join_rows
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-def is_supported(model: torch.nn.Module) -> bool:
-    """True when the lean forward covers `model` (else use the HF engine)."""
-    cfg = model.config
-    arch_ok = type(model).__name__ in SUPPORTED_ARCHITECTURES
-    return arch_ok and cfg.hidden_act == "silu" and not getattr(cfg, "use_sliding_window", False)
-
 
 DEFAULT_KV_CACHE_GIB = 2.0
 """Default KV-cache budget of the built-in engine; sizes `max_model_len` when it is not set."""
@@ -202,7 +193,7 @@ class _Cached:
         return cache[self.rows, :, : self.span]  # (R, kv, span, D)
 
 
-def _layer(block: torch.nn.Module, pack: Callable[[torch.Tensor], torch.Tensor]) -> _Layer:
+def _layer(block: DecoderBlock, pack: Callable[[torch.Tensor], torch.Tensor]) -> _Layer:
     attn, mlp = block.self_attn, block.mlp
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
@@ -235,7 +226,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         max_slots: int,
         max_len: int,
         matmul: str = "auto",
@@ -380,7 +371,7 @@ class ModelRunner:
                 ).reshape(r, -1)
                 x = x.index_select(0, plan.last)
             x, h = self._mlp(i, x, self.linear(att, layer.o_w, layer.o_b))
-        return self.linear(h, self.lm_head).float()
+        return self.linear(h, self.lm_head, None).float()
 
     def _write_prompt_kv(self, layer: int, plan: _Plan, k: torch.Tensor, v: torch.Tensor) -> None:
         d = self.head_dim
@@ -402,14 +393,14 @@ class ModelRunner:
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
         if self.native_attention is None:  # torch path: cache index, keys attended, mask
             flat = (self._row_base[:b] + pos[:, None]).flatten()
-            span = span or int(pos.max()) + 1
-            bias = self._decode_bias(pos, span)
+            width = span or int(pos.max()) + 1
+            bias = self._decode_bias(pos, width)
         x = F.embedding(tokens, self.embed)  # (B, H), a new tensor (updated in place below)
         x, h = self._add_norm(x, None, self.layers[0].ln1)
         for i, layer in enumerate(self.layers):
             kc, vc = self.k_cache[i], self.v_cache[i]
             if self.native_attention is not None and layer.q_norm is None:
-                att = self._native_step(layer, h, kc, vc, pos)  # RoPE and append in C too
+                att = self._native_step(self.native_attention, layer, h, kc, vc, pos)  # +RoPE
             elif self.native_attention is not None:  # appends k, v to the cache itself
                 q, k, v = self._decode_qkv(layer, h, cos, sin)
                 att = self.native_attention(q, k, v, kc, vc, pos)
@@ -417,9 +408,9 @@ class ModelRunner:
                 q, k, v = self._decode_qkv(layer, h, cos, sin)
                 kc.view(-1, d).index_copy_(0, flat, k.reshape(b * kv, d))
                 vc.view(-1, d).index_copy_(0, flat, v.reshape(b * kv, d))
-                att = self._decode_attention(q, kc, vc, bias, b, span)
+                att = self._decode_attention(q, kc, vc, bias, b, width)
             x, h = self._mlp(i, x, self.linear(att.reshape(b, -1), layer.o_w, layer.o_b))
-        return self.linear(h, self.lm_head).float()
+        return self.linear(h, self.lm_head, None).float()
 
     def _mlp(self, i: int, x: torch.Tensor, attended: torch.Tensor):
         """Layer i after its attention: the residual add, the MLP and its residual add;
@@ -443,12 +434,14 @@ class ModelRunner:
             return self.fused.silu_mul(gate_up)
         return torch_silu_mul(gate_up)
 
-    def _native_step(self, layer: _Layer, h, kc, vc, pos) -> torch.Tensor:
+    def _native_step(
+        self, attend: native.AttentionFn, layer: _Layer, h, kc, vc, pos
+    ) -> torch.Tensor:
         """q/k/v projection, then RoPE, cache append and attention in one native call."""
         nh, kv = self.n_heads, self.n_kv
         qkv = self.linear(h, layer.qkv_w, layer.qkv_b).view(h.shape[0], nh + 2 * kv, -1)
         q, k, v = qkv[:, :nh], qkv[:, nh : nh + kv], qkv[:, nh + kv :]
-        return self.native_attention(q, k, v, kc, vc, pos, (self.cos, self.sin))
+        return attend(q, k, v, kc, vc, pos, (self.cos, self.sin))
 
     def _decode_bias(self, pos: torch.Tensor, span: int) -> torch.Tensor:
         """The torch attention path's mask over each row's first `span` positions: additive
@@ -466,7 +459,7 @@ class ModelRunner:
         nh, kv, d = self.n_heads, self.n_kv, self.head_dim
         qkv = self.linear(h, layer.qkv_w, layer.qkv_b).view(h.shape[0], nh + 2 * kv, d)
         v = qkv[:, nh + kv :]
-        if layer.q_norm is None:
+        if layer.q_norm is None or layer.k_norm is None:
             qk = _rotate(qkv[:, : nh + kv], cos, sin)
             return qk[:, :nh], qk[:, nh:], v
         q = _rotate(_rms(qkv[:, :nh], layer.q_norm, self.eps), cos, sin)

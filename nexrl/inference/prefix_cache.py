@@ -136,9 +136,10 @@ class PrefixCache:
     def _path(self, tokens: Sequence[int]) -> list[int]:
         node, slots, child = _ROOT, [], self._child
         for t in tokens[: len(tokens) - 1]:
-            node = child.get(_key(node, t))
-            if node is None:
+            found = child.get(_key(node, t))
+            if found is None:
                 break
+            node = found
             slots.append(node)
         return slots
 

@@ -393,8 +393,10 @@ class ProcessEngine:
 
                 tensors = {k: v.contiguous() for k, v in meta.state_dict.items()}
                 save_file(tensors, str(snapshot / "model.safetensors"))
-            else:
+            elif meta.path is not None:
                 _link_tree(Path(meta.path), snapshot)
+            else:
+                raise ValueError("update_weights: the WeightUpdateMeta has no path or state_dict")
             self._call("update_weights", version=meta.version, path=str(snapshot))
         except BaseException:  # a failed update leaves nothing behind
             shutil.rmtree(snapshot, ignore_errors=True)

@@ -20,6 +20,7 @@ from nexrl.types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import TypeIs
 
 TokenCallback = Callable[[int, int, float, int], None]
 """Streaming hook: `(sample_index, token_id, logprob, weight_version)` per sampled token,
@@ -175,3 +176,28 @@ class InferenceEngine(Protocol):
     def health(self) -> bool: ...
 
     def shutdown(self) -> None: ...
+
+
+class ServedTokenizer(Decoder, Protocol):
+    """What the OpenAI server types of an HF tokenizer (the rest goes to HF calls)."""
+
+    def __len__(self) -> int: ...
+
+
+class ServedEngine(InferenceEngine, Protocol):
+    """An engine the OpenAI server can serve: it renders prompts with the engine's tokenizer."""
+
+    @property
+    def tokenizer(self) -> ServedTokenizer: ...
+
+
+def serves_text(engine: InferenceEngine) -> TypeIs[ServedEngine]:
+    """True when `engine` has a tokenizer (every local engine; not a bare token-id engine)."""
+    return getattr(engine, "tokenizer", None) is not None
+
+
+def streams_tokens(engine: object) -> TypeIs[StreamingEngine]:
+    """True when `engine` streams tokens: it says so (`supports_streaming`) and has `submit`."""
+    return bool(getattr(engine, "supports_streaming", False)) and callable(
+        getattr(engine, "submit", None)
+    )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import httpx
 
@@ -37,7 +37,46 @@ from nexrl.inference.protocol import (
     WeightUpdateMeta,
 )
 from nexrl.inference.sampler import encode_text
-from nexrl.types import JSONDict
+from nexrl.types import JSONDict, JSONValue
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
+
+
+class _OpenAIParams(TypedDict, total=False):
+    """The sampling fields a request sends by their OpenAI names (the rest go in extra_body)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    seed: int | None
+    stop: str | list[str] | None
+
+
+class _ChatParams(_OpenAIParams, total=False):
+    tools: list[ChatCompletionToolUnionParam]
+
+
+def _sampling_kwargs(request: GenerationRequest) -> SamplingKwargs:
+    """`request`'s sampling by OpenAI / vLLM names, leaving out what is unset."""
+    sp = request.sampling
+    kwargs = SamplingKwargs(
+        max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, n=sp.n
+    )
+    kwargs["top_k"] = sp.top_k
+    if sp.seed is not None:
+        kwargs["seed"] = sp.seed
+    if sp.stop:
+        kwargs["stop"] = sp.stop
+    if sp.stop_token_ids:
+        kwargs["stop_token_ids"] = sp.stop_token_ids
+    if sp.ignore_eos:
+        kwargs["ignore_eos"] = True
+    if request.rid is not None:
+        kwargs["rid"] = request.rid
+    return kwargs
+
 
 _CONTROL = {
     "remote": {
@@ -130,22 +169,7 @@ class RemoteBackend:
 
     def generate(self, request: GenerationRequest) -> GenerationResponse:
         """`InferenceEngine.generate`: the request's token ids through /v1/completions."""
-        sp = request.sampling
-        kwargs = {
-            "max_tokens": sp.max_new_tokens,
-            "temperature": sp.temperature,
-            "top_p": sp.top_p,
-            "top_k": sp.top_k,
-            "n": sp.n,
-            "seed": sp.seed,
-            "stop": sp.stop or None,
-            "stop_token_ids": sp.stop_token_ids or None,
-            "ignore_eos": sp.ignore_eos or None,
-            "rid": request.rid,
-        }
-        out = self.completion(
-            None, list(request.input_ids), {k: v for k, v in kwargs.items() if v is not None}
-        )
+        out = self.completion(None, list(request.input_ids), _sampling_kwargs(request))
         outputs = [
             GenerationOutput(
                 output_ids=c["response_ids"],
@@ -171,13 +195,12 @@ class RemoteBackend:
         self.http.close()
         self.client.close()
 
-    def _params(self, kwargs: SamplingKwargs) -> tuple[dict[str, object], dict[str, object]]:
-        std = {
-            k: kwargs[k]
-            for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop")
-            if k in kwargs
-        }
-        extra = {
+    def _params(self, kwargs: SamplingKwargs) -> tuple[_OpenAIParams, dict[str, object]]:
+        std = _OpenAIParams()
+        for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop"):
+            if k in kwargs:
+                std[k] = kwargs[k]
+        extra: dict[str, object] = {
             k: kwargs[k]
             for k in ("top_k", "stop_token_ids", "ignore_eos")
             if kwargs.get(k) is not None
@@ -202,10 +225,13 @@ class RemoteBackend:
     ) -> CompletionResult:
         std, extra = self._params(kwargs)
         version = self._start()
-        body = prompt if prompt_ids is None else prompt_ids
-        if self.kind == "vllm" and std.get("temperature") == 0 and std.get("n", 1) > 1:
+        body: str | list[int] | list[str] | list[list[int]] | None = (
+            prompt if prompt_ids is None else prompt_ids
+        )
+        n = std.get("n", 1)
+        if self.kind == "vllm" and std.get("temperature") == 0 and n > 1:
             # vLLM refuses n > 1 when greedy: the same prompt n times, one sample each
-            body, std["n"] = [body] * std["n"], 1
+            body, std["n"] = [prompt_ids] * n if prompt_ids is not None else [prompt or ""] * n, 1
         resp = self.client.completions.create(
             model=self._model(),
             prompt=body,
@@ -230,11 +256,15 @@ class RemoteBackend:
         """Chat completion; with `tools` the server's OpenAI `tool_calls` come back per choice
         (and its `content`: the reply without the call markup)."""
         std, extra = self._params(kwargs)
+        params = _ChatParams(**std)
+        # (casts: the messages and tools are the OpenAI JSON shapes as plain dicts; the SDK
+        # types them as its TypedDicts)
         if tools:
-            std["tools"] = tools
+            params["tools"] = cast("list[ChatCompletionToolUnionParam]", tools)
+        sent = cast("list[ChatCompletionMessageParam]", messages)
         version = self._start()
         resp = self.client.chat.completions.create(
-            model=self._model(), messages=messages, logprobs=True, extra_body=extra, **std
+            model=self._model(), messages=sent, logprobs=True, extra_body=extra, **params
         ).model_dump()
         choices = []
         for c in resp["choices"]:
@@ -256,14 +286,14 @@ class RemoteBackend:
     ) -> SampleResult:
         ids = c.get("token_ids")
         retokenized = ids is None
-        if retokenized:
+        if ids is None:
             ids = encode_text(self.tokenizer, text)
         versions = c.get("token_versions") or [version] * len(ids)
         return {
             "response": text,
             "response_ids": list(ids),
             "response_logprobs": list(logprobs or []),
-            "finish_reason": c.get("finish_reason"),
+            "finish_reason": c["finish_reason"],
             "token_versions": list(versions),
             "retokenized": retokenized,
         }
@@ -313,7 +343,7 @@ class RemoteBackend:
         if self.control is not None:
             self.control.update_weights(meta)
         else:
-            body = {"model_path": meta.path, "version": meta.version}
+            body: dict[str, JSONValue] = {"model_path": meta.path, "version": meta.version}
             body["weight_version"] = str(meta.version)
             self._post("update", body)
         self._version = meta.version

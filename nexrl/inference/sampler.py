@@ -30,10 +30,14 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nexrl.inference.protocol import GenerationOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,7 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 @functools.cache
-def _fast_tokenizer_class() -> type:
+def _fast_tokenizer_class() -> type[PreTrainedTokenizerFast]:
     """transformers' `PreTrainedTokenizerFast`, looked up once (its lazy import is ~1 us,
     as long as the encode it guards)."""
     from transformers import PreTrainedTokenizerFast

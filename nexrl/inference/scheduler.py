@@ -56,11 +56,15 @@ class Pending:
 
     def resolve(self) -> None:
         """Hand the caller its response (once)."""
-        if not self.future.done():
-            req = self.request
-            self.future.set_result(
-                GenerationResponse(list(req.input_ids), list(self.outputs), req.rid)
-            )
+        if self.future.done():
+            return
+        req = self.request
+        outputs = [o for o in self.outputs if o is not None]
+        if len(outputs) < len(self.outputs):  # never a response with holes in it
+            missing = len(self.outputs) - len(outputs)
+            self.fail(RuntimeError(f"request {req.rid}: {missing} samples never finished"))
+            return
+        self.future.set_result(GenerationResponse(list(req.input_ids), outputs, req.rid))
 
     def resolve_empty(self, reason: str = "length") -> None:
         """Resolve with n empty samples (max_new_tokens 0, or aborted while waiting)."""

@@ -15,8 +15,12 @@ import ipaddress
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from nexrl.config.options import ENGINE_DEFAULTS as _D
+
+if TYPE_CHECKING:
+    from nexrl.inference.protocol import InferenceEngine
 
 SWITCH_INTERVAL_S = 2e-4
 
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         options["emulated_step_latency_s"] = args.emulated_step_latency
     if args.backend == "builtin":
         options["prefix_cache_gib"] = args.prefix_cache_gib
+    engine: InferenceEngine
     if args.backend == "builtin" and not args.in_process:
         from nexrl.inference.process_engine import ProcessEngine
 

@@ -57,7 +57,10 @@ from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
     InferenceEngine,
+    ServedEngine,
     WeightUpdateMeta,
+    serves_text,
+    streams_tokens,
 )
 from nexrl.inference.server_inputs import APIError
 from nexrl.inference.server_inputs import check_logprobs as _check_logprobs
@@ -75,7 +78,8 @@ CONTROL_PATHS = frozenset(
 
 # FastAPI versions with built-in OpenTelemetry look up the global providers on every
 # request (a fifth of the server's time at 64 concurrent clients); the server does not use it.
-_NO_TELEMETRY = (
+# (typed loosely: the keyword exists in some FastAPI versions only)
+_NO_TELEMETRY: dict[str, Any] = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     if "telemetry" in inspect.signature(FastAPI).parameters
     else {}
@@ -128,6 +132,8 @@ def create_app(
     weights_dirs: directories `/update_weights_from_disk` may read; None: any path.
     max_logprobs: the largest `logprobs` / `top_logprobs` a request may ask for.
     """
+    if not serves_text(engine):
+        raise TypeError(f"create_app: {type(engine).__name__} has no tokenizer to render prompts")
     auth = Depends(_auth(api_key, admin_key))
     # /docs and /openapi.json as routes of their own, behind the same key as the rest
     app = FastAPI(
@@ -172,7 +178,7 @@ def _docs_routes(app: FastAPI) -> None:
 class _Served:
     """What the generation routes share: the engine, its limits, metrics, tool parser."""
 
-    engine: InferenceEngine
+    engine: ServedEngine
     model_name: str
     parser: ToolCallParser | None
     metrics: ServerMetrics
@@ -313,7 +319,7 @@ def _info_routes(
 class _Generation:
     """Runs one generation for an endpoint: a whole response, or a token stream."""
 
-    def __init__(self, engine: InferenceEngine, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, engine: ServedEngine, metrics: ServerMetrics, model_name: str) -> None:
         self.engine, self.metrics, self.model_name = engine, metrics, model_name
 
     def _count(self, resp: GenerationResponse) -> None:
@@ -344,7 +350,7 @@ class _Generation:
     async def stream(self, ids: list[int], body, default_max: int, endpoint: str, chunks):
         """`stream=true`: server-sent events (nexrl/inference/streaming.py)."""
         engine = self.engine
-        if not getattr(engine, "supports_streaming", False):
+        if not streams_tokens(engine):
             raise APIError(400, f"stream=true: {type(engine).__name__} cannot stream tokens")
         rid = body.rid or uuid.uuid4().hex
         request = GenerationRequest(ids, body.sampling(default_max), rid=rid)

@@ -52,7 +52,8 @@ def load_model_and_tokenizer(model_path: str | Path, dtype: str | torch.dtype, d
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=resolve_dtype(dtype), attn_implementation="sdpa"
     )
-    return model.to(device).eval(), tokenizer
+    # (transformers' `to` is wrapped in a decorator whose stub mypy reads as unbound)
+    return model.to(device).eval(), tokenizer  # type: ignore[arg-type]
 
 
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:

@@ -25,6 +25,8 @@ def test_process_engine_matches_in_process(tiny_path, other_weights_path):
         with pytest.raises(ValueError, match="max_new_tokens"):
             eng.generate(GenerationRequest([5], SamplingParams(max_new_tokens=-1)))
         eng.update_weights(WeightUpdateMeta(version=1, path=str(other_weights_path)))
+        with pytest.raises(ValueError, match="no path or state_dict"):
+            eng.update_weights(WeightUpdateMeta(version=2))
         after = eng.generate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=3)))
         assert eng.version == 1 and after.outputs[0].output_versions == [1] * len(
             after.outputs[0].output_ids

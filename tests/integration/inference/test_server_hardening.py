@@ -198,3 +198,17 @@ def test_cli_refuses_before_loading_a_model():
         env={"PATH": "/usr/bin:/bin"},  # no NEXRL_API_KEY from the environment
     )
     assert proc.returncode == 2 and "--allow-insecure" in proc.stderr
+
+
+class _TokenIdsOnly:
+    """An engine that takes token ids but has no tokenizer: nothing to render prompts with."""
+
+    version = 0
+
+    def health(self) -> bool:
+        return True
+
+
+def test_create_app_names_an_engine_without_a_tokenizer():
+    with pytest.raises(TypeError, match="create_app: _TokenIdsOnly has no tokenizer"):
+        create_app(_TokenIdsOnly())

@@ -122,3 +122,18 @@ def test_process_engine_streams_every_token(tiny_path):
             assert [lp for _, lp in seen[i]] == pytest.approx(out.output_logprobs)
     finally:
         eng.shutdown()
+
+
+def test_stream_on_an_engine_that_cannot_stream_is_a_400(tiny_path):
+    from nexrl.inference.hf_engine import HFEngine
+
+    engine = HFEngine(tiny_path)
+    try:
+        with ServerThread(create_app(engine, api_key=API_KEY)) as srv:
+            body = {"model": "default", "prompt": "hi", "max_tokens": 2, "stream": True}
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers=headers, timeout=30)
+    finally:
+        engine.shutdown()
+    assert r.status_code == 400
+    assert "stream=true: HFEngine cannot stream tokens" in r.text

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from nexrl.inference.protocol import GenerationRequest, SamplingParams
+from nexrl.inference.protocol import GenerationOutput, GenerationRequest, SamplingParams
 from nexrl.inference.sampler import StopChecker, sample_generator
 from nexrl.inference.scheduler import _KINDS, Pending, Row, RunningBatch
 
@@ -72,3 +72,23 @@ def test_added_rows_carry_their_own_requests_settings():
             stops = batch.stop_ids[j].tolist()
             width = len(row.pending.stop_ids)
             assert stops[:width] == row.pending.stop_ids and set(stops[width:]) <= {-1}
+
+
+def _pending(n: int) -> Pending:
+    params = SamplingParams(max_new_tokens=1, n=n)
+    stop = StopChecker(None, [])
+    return Pending(GenerationRequest([1, 2], params, rid="r"), Future(), [0], stop, [None] * n, n)
+
+
+def test_resolve_never_hands_out_a_response_with_missing_samples():
+    done = GenerationOutput([3], [-0.5], [0], "length")
+    pending = _pending(2)
+    pending.finish_sample(1, done)
+    pending.resolve()  # sample 0 never finished: the caller gets an error, not a None
+    with pytest.raises(RuntimeError, match="request r: 1 samples never finished"):
+        pending.future.result(timeout=0)
+    whole = _pending(2)
+    whole.finish_sample(0, done)
+    whole.finish_sample(1, done)
+    whole.resolve()
+    assert whole.future.result(timeout=0).outputs == [done, done]
