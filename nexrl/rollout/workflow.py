@@ -41,7 +41,16 @@ from nexrl.inference.protocol import (
 )
 from nexrl.types import Trajectory
 
-EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
+# the list members are spelled out because `list` is invariant: an override may return
+# `list[Trajectory]`, which is not a `list[Trajectory | TokenSample]`
+EpisodeResult = (
+    Trajectory
+    | TokenSample
+    | list[Trajectory]
+    | list[TokenSample]
+    | list[Trajectory | TokenSample]
+    | None
+)
 Row: TypeAlias = Mapping[str, object]
 """An episode's data row, opaque to the runner (the workflow reads what it needs)."""
 
