@@ -37,6 +37,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, runtime_checkable
 
@@ -120,6 +121,15 @@ class HFExportTarget(Protocol):
     def model(self) -> torch.nn.Module: ...
     @property
     def model_path(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class HFFolderSource:
+    """An `HFExportTarget` other than the engine: a peft model's base model."""
+
+    rank: int
+    model: torch.nn.Module
+    model_path: str
 
 
 def write_hf(engine: HFExportTarget, path: str, state: dict[str, torch.Tensor]) -> None:
