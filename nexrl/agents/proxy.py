@@ -27,12 +27,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 from nexrl.agents.chat import warn_if_template_drops
+from nexrl.agents.workflows import engine_tokenizer
 from nexrl.inference.api_models import ChatRequest, chat_body, chat_messages
 from nexrl.inference.protocol import GenerationRequest, InferenceEngine
 from nexrl.inference.tool_parsers import get_parser
@@ -103,7 +104,7 @@ class RecordingProxy:
         self, engine: InferenceEngine, tokenizer: Any = None, parser: str = "hermes"
     ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer or engine.tokenizer
+        self.tokenizer = tokenizer or engine_tokenizer(engine)
         self.parser = get_parser(parser)
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -276,7 +277,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             server.proxy.sessions.pop(sid, None)
 
 
-def _is_async(fn: object) -> bool:
+def _is_async(fn: object) -> TypeGuard[AsyncAgentFn]:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 (an object with `async def __call__`)
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -108,11 +108,19 @@ class _Base(RolloutWorkflow):
         return traj
 
 
+def engine_tokenizer(engine: InferenceEngine) -> Any:
+    """The engine's HF tokenizer (chat template, decode); a clear error when it has none."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        raise TypeError(f"{type(engine).__name__} has no `tokenizer`: agent workflows need one")
+    return tokenizer
+
+
 class SingleTurnWorkflow(_Base):
     """One assistant turn from the row's chat prompt."""
 
     async def arun_episode(self, engine: InferenceEngine, data: Row) -> Trajectory:
-        tokens = MultiTurnTokens(engine.tokenizer, self.messages(data))
+        tokens = MultiTurnTokens(engine_tokenizer(engine), self.messages(data))
         resp = await engine.agenerate(GenerationRequest(tokens.prompt_ids(), self.sampling))
         out = resp.outputs[0]
         tokens.add_assistant(out.output_ids, out.output_logprobs, out.output_versions)
@@ -135,7 +143,7 @@ class ToolWorkflow(_Base):
         tools: list[str] | tuple[str, ...] = (),
         parser: str = "hermes",
         max_turns: int = 4,
-        on_rewrite: str = "error",
+        on_rewrite: Literal["error", "split"] = "error",
         system_prompt: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -143,13 +151,17 @@ class ToolWorkflow(_Base):
         self.tools = [import_object(t) if isinstance(t, str) else t for t in tools]
         self.parser = get_parser(parser)
         self.max_turns = max_turns
+        if on_rewrite not in ("error", "split"):
+            raise ValueError(
+                f"ToolWorkflow on_rewrite must be 'error' or 'split', got {on_rewrite!r}"
+            )
         self.on_rewrite = on_rewrite
 
     async def arun_episode(self, engine: InferenceEngine, data: Row) -> list[Trajectory]:
         env = LocalToolingEnv(self.tools)
         episode = await run_tool_episode(
             engine,
-            engine.tokenizer,
+            engine_tokenizer(engine),
             self.messages(data),
             env,
             self.parser,

@@ -52,7 +52,9 @@ def filter_informative(
     ids: dict[Hashable, int] = {}
     group_index = torch.tensor([ids.setdefault(t[group_key], len(ids)) for t in trajectories])
     rewards = torch.tensor([float(t[reward_key]) for t in trajectories], dtype=torch.float64)
-    keep = informative_groups(rewards, group_index, atol) if len(trajectories) else []
+    keep: torch.Tensor | list[bool] = (
+        informative_groups(rewards, group_index, atol) if len(trajectories) else []
+    )
     return [t for t, k in zip(trajectories, keep, strict=True) if k]
 
 

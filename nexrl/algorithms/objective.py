@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nexrl.algorithms.aggregation import AGGREGATIONS
+from nexrl.algorithms.aggregation import AGGREGATIONS, Norm
 from nexrl.algorithms.kl import KL_ESTIMATORS, kl_per_token
 from nexrl.algorithms.losses import POLICY_LOSSES
 from nexrl.algorithms.off_policy import decoupled_weights, is_weights
@@ -31,8 +31,8 @@ def compute_loss(
     loss_fn: str = "ppo_clip",
     agg_mode: str = "token-mean",
     entropy: torch.Tensor | None = None,  # (B, T)
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
+    num_tokens: Norm = None,
+    num_seqs: Norm = None,
     entropy_coef: float = 0.0,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",

@@ -14,7 +14,7 @@ import logging
 import statistics
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -250,6 +250,16 @@ class ProcessorContext:
     4-letter answers are cut at 4 tokens by design)."""
 
 
+T = TypeVar("T")
+
+
+def _wired(ref: T | None, what: str) -> T:
+    """`ref`, set by the wiring (`set_module_references`, `set_activity_tracker`)."""
+    if ref is None:
+        raise RuntimeError(f"algorithm processor: no {what}; the system wires it before use")
+    return ref
+
+
 class BaseAlgorithmProcessor(LoopModule):
     """Loop: take a batch from the trajectory pool, `_fit` it, put it in the train batch pool.
 
@@ -285,12 +295,14 @@ class BaseAlgorithmProcessor(LoopModule):
         if batch is None:
             return False
         self._source = batch
-        with self._activity_tracker.track(self._module_name, "process batch"):
+        tracker = _wired(self._activity_tracker, "activity tracker")
+        with tracker.track(self._module_name, "process batch"):
             self._fit(batch, "train")
         return True
 
     def _get_batch(self, batch_size: int | None = None) -> Batch | None:
-        return execute(self._trajectory_pool.get_batch, batch_size, wait_s=BLOCKING_GET_WAIT_S)
+        pool = _wired(self._trajectory_pool, "trajectory pool")
+        return execute(pool.get_batch, batch_size, wait_s=BLOCKING_GET_WAIT_S)
 
     def _put_batch(self, batch: Batch, update_fn: str) -> bool:
         """Hand a train batch on. Metadata the train worker reads and a `_fit` written as in
@@ -300,7 +312,9 @@ class BaseAlgorithmProcessor(LoopModule):
         if source is not None:
             for key, value in source_metadata(source).items():
                 batch.metadata.setdefault(key, value)
-        return execute(self._train_batch_pool.put_batch, batch, update_fn)
+        return execute(
+            _wired(self._train_batch_pool, "train batch pool").put_batch, batch, update_fn
+        )
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
         raise NotImplementedError
@@ -337,7 +351,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
                 cfg.overlong_penalty_factor,
             )
         if cfg.kl_in_reward_coef > 0:
-            ref = execute(self._train_worker.compute_ref_logprobs, Batch(dict(values)))
+            worker = _wired(self._train_worker, "train worker (algorithm.kl_in_reward_coef > 0)")
+            ref = execute(worker.compute_ref_logprobs, Batch(dict(values)))
             if ref is None:
                 raise ValueError(
                     "algorithm.kl_in_reward_coef > 0 but the train engine has no reference "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -111,6 +111,10 @@ class RayDataParallelTrainClient:
     def load_checkpoint(self, path: str) -> None:
         self._all("load_checkpoint", path)
 
+    @overload
+    def export_weights(self, path: None = None, copy: bool = True) -> dict[str, torch.Tensor]: ...
+    @overload
+    def export_weights(self, path: str, copy: bool = True) -> str: ...
     def export_weights(
         self, path: str | None = None, copy: bool = True
     ) -> dict[str, torch.Tensor] | str:

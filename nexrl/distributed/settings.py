@@ -85,13 +85,15 @@ class RaySettings(RayConfig):
     @classmethod
     def from_config(cls, config: DictConfig) -> RaySettings:
         section = OmegaConf.select(config, "ray", default=None)
-        raw = OmegaConf.to_container(section, resolve=True) if section is not None else {}
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        tree = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"ray must be a mapping of ray.* keys, got {tree!r}")
+        unknown = sorted(set(map(str, tree)) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(
                 f"unknown ray key(s) {unknown}; valid: {sorted(cls.__dataclass_fields__)}"
             )
-        raw = {k: v for k, v in raw.items() if v is not None}
+        raw: dict[str, Any] = {str(k): v for k, v in tree.items() if v is not None}
         layout = raw.get("layout", RayConfig.layout)
         if layout not in LAYOUTS:
             raise ValueError(f"ray.layout={layout!r}; choose one of {sorted(LAYOUTS)}")

@@ -30,7 +30,8 @@ def apply_lora(model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Modu
         ) from exc
     config = LoraConfig(
         r=int(options["rank"]),
-        lora_alpha=float(options["alpha"]),
+        # peft annotates an int; it only divides by r, so a float alpha scales as meant
+        lora_alpha=float(options["alpha"]),  # type: ignore[arg-type, unused-ignore]
         target_modules=options["target_modules"],
         lora_dropout=float(options["dropout"]),
         task_type="CAUSAL_LM",
@@ -53,11 +54,16 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
-            weight = base.weight.detach().clone()
+            base_weight = module.get_base_layer().weight
+            if not isinstance(base_weight, torch.Tensor):
+                raise TypeError(f"LoRA layer {name}: its base layer has no weight tensor")
+            weight = base_weight.detach().clone()
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
-                    weight += module.get_delta_weight(adapter).to(weight.dtype)
+                    # every concrete LoraLayer (Linear, Embedding, Conv) defines it; the mixin
+                    # peft types `module` as does not declare it
+                    delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined, unused-ignore]
+                    weight += delta.to(weight.dtype)
             merged[_base_name(name) + ".weight"] = weight
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -93,8 +99,9 @@ def load_lora_checkpoint(engine: TorchTrainEngine, path: str) -> None:
             "LoRA engine (train_worker.engine.lora)"
         )
     result = set_peft_model_state_dict(engine.model, load_file(str(adapter)))
-    if getattr(result, "unexpected_keys", None):
-        raise KeyError(f"checkpoint {path}: unknown adapter weights {result.unexpected_keys[:5]}")
+    unexpected = getattr(result, "unexpected_keys", None)  # peft's stubs: an untyped namedtuple
+    if unexpected:
+        raise KeyError(f"checkpoint {path}: unknown adapter weights {unexpected[:5]}")
     state_file = root / checkpoint.STATE_FILE
     if not state_file.exists():
         return

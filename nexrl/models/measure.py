@@ -108,7 +108,11 @@ def train(model: str, options: dict, rows: int, length: int, steps: int) -> dict
 
     path = _model(model)
     engine = TorchTrainEngine(dict(options), path)
-    batch = _train_batch(engine.model.config.vocab_size, rows, length, length // 2)
+    config = getattr(engine.model, "config", None)  # the HF config (a Module's attribute to mypy)
+    if config is None:
+        raise TypeError(f"{type(engine.model).__name__} has no HF config: no vocab_size")
+    vocab_size = int(config.vocab_size)
+    batch = _train_batch(vocab_size, rows, length, length // 2)
     loaded = _status_kib("VmRSS")
     _reset_peak()
     times = []

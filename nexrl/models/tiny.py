@@ -100,11 +100,12 @@ def build_tiny_qwen2(
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            torch_dtype="float32",
+            dtype="float32",  # `torch_dtype` before transformers 4.56
         )
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-        model.generation_config.pad_token_id = tok.pad_token_id
+        if model.generation_config is not None:  # a causal LM always has one
+            model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(str(path), safe_serialization=True)
     return path
 

@@ -59,9 +59,8 @@ def build_experiment_logger(config: DictConfig | Mapping[str, object]) -> Experi
     """From the root config: `logger.{backend,run_dir,console_keys}`, project/experiment
     names and `train_worker.total_train_steps` (the console's ETA)."""
     keys = _get(config, "logger.console_keys")
-    run_config = (
-        OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else None
-    )
+    tree = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else None
+    run_config = {str(k): v for k, v in tree.items()} if isinstance(tree, dict) else None
     return ExperimentLogger(
         backends=_get(config, "logger.backend"),
         run_dir=_get(config, "logger.run_dir"),

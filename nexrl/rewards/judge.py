@@ -136,13 +136,13 @@ class JudgeReward:
     async def _request(self, text: str) -> str:
         cfg = self.config
         if cfg.chat:
-            resp = await self._client.chat.completions.create(
+            chat = await self._client.chat.completions.create(
                 model=cfg.model,
                 messages=[{"role": "user", "content": text}],
                 max_tokens=cfg.max_tokens,
                 temperature=cfg.temperature,
             )
-            return resp.choices[0].message.content or ""
+            return chat.choices[0].message.content or ""
         resp = await self._client.completions.create(
             model=cfg.model, prompt=text, max_tokens=cfg.max_tokens, temperature=cfg.temperature
         )

@@ -261,6 +261,7 @@ class RewardRunner:
             fut = self._schedule(args)
             await asyncio.wait({asyncio.wrap_future(fut)})  # never raises; classified below
             return self._record(self._outcome_of(fut, None))
+        task: asyncio.Future[Scored]
         if self.is_async:
             task = asyncio.ensure_future(self._acall_inline(*args))
         else:
@@ -316,13 +317,15 @@ class RewardRunner:
             for args in calls:
                 yield self._record(self._inline_outcome(args))
             return
+        timeout_s = self.timeout_s
+        assert timeout_s is not None, "a sync reward without timeout_s runs inline"
         done = 0
         while done < len(calls):
             job = InOrderJob(len(calls) - done)
             self._threads.submit(self._run_in_order, calls[done:], job)
             try:
                 for i in range(len(calls) - done):
-                    result = job.wait(i, self.timeout_s)
+                    result = job.wait(i, timeout_s)
                     done += 1
                     if result is None:  # hung: the rest go to a new job
                         yield self._record(self._failure(TimeoutError()))

@@ -299,7 +299,8 @@ class Sandbox:
         extra: dict[str, Any] = {}
         if self._uid is not None:
             extra = {"user": self._uid, "group": self._uid, "extra_groups": []}
-        workdir, pass_fds = None, ()
+        workdir: str | None = None
+        pass_fds: tuple[int, ...] = ()
         if self.isolation == "none_unsafe":
             workdir = tempfile.mkdtemp(prefix="nexrl-unsafe-")
             paths = {"work": f"{workdir}/work", "io": f"{workdir}/io"}

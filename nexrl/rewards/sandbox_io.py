@@ -73,7 +73,7 @@ EXEC_SHAPE = ((int, type(None)), str, str, bool, bool)
 CALL_SHAPE = (bool, bool, str)
 
 
-def well_formed(results: object, n: int, shape: tuple[type, ...]) -> bool:
+def well_formed(results: object, n: int, shape: tuple[type | tuple[type, ...], ...]) -> bool:
     if type(results) is not list or len(results) != n:
         return False
     return all(

@@ -244,17 +244,18 @@ class AgentRolloutWorker(BaseRolloutWorker):
         validate = task.is_validate
         n = 1 if validate else self._config.group_size
         episodes = self._episode_loop().run(self._run_group(task.data, n, self.engine(validate)))
-        if any(not e for e in episodes):  # an episode answered None (or nothing): rejected
+        kept = [e for e in episodes if e]
+        if len(kept) < len(episodes):  # an episode answered None (or nothing): rejected
             return StepResult.DROPPED
-        group = [t for e in episodes for t in e]
+        group = [t for e in kept for t in e]
         if any(t.get("finish_reason") == "abort" for t in group):
             task.aborts += 1
-            self._activity_tracker.increment("rollout/aborted_groups")
+            self.tracker.increment("rollout/aborted_groups")
             return StepResult.ABORTED
         for t in group:
             t.setdefault("model_tag", self._model_tag())
             t.setdefault("loss_mask", [1] * len(t.get("response_ids") or []))
-        return self._put_episodes(episodes)
+        return self._put_episodes(kept)
 
     async def _run_group(
         self, row: JSONDict, n: int, engine: ClientEngine

@@ -9,6 +9,7 @@ compete for the interpreter.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -62,11 +63,15 @@ class HelperThreads:
         for thread in self._threads:
             thread.join(timeout)
 
+    def _next_round(self, seen: int) -> bool:
+        """A round after round `seen` started, or the helpers are closing (under `_cv`)."""
+        return self._round != seen or self._closed
+
     def _run(self) -> None:
         seen = 0
         while True:
             with self._cv:
-                self._cv.wait_for(lambda seen=seen: self._round != seen or self._closed)
+                self._cv.wait_for(functools.partial(self._next_round, seen))
                 if self._closed:
                     return
                 seen = self._round

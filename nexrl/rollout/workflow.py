@@ -41,7 +41,16 @@ from nexrl.inference.protocol import (
 )
 from nexrl.types import Trajectory
 
-EpisodeResult = Trajectory | TokenSample | list[Trajectory | TokenSample] | None
+# the list members are spelled out because `list` is invariant: an override may return
+# `list[Trajectory]`, which is not a `list[Trajectory | TokenSample]`
+EpisodeResult = (
+    Trajectory
+    | TokenSample
+    | list[Trajectory]
+    | list[TokenSample]
+    | list[Trajectory | TokenSample]
+    | None
+)
 Row: TypeAlias = Mapping[str, object]
 """An episode's data row, opaque to the runner (the workflow reads what it needs)."""
 
@@ -132,7 +141,9 @@ def from_tensor_dict(item: Row) -> Trajectory:
     """AReaL-lite's episode output (seed 004: `input_ids`, `loss_mask`, `logprobs`,
     `versions`, `rewards`, optional `attention_mask`; tensors of shape (1, L) or (L,)) as a
     trajectory: the tokens before the first loss-mask 1 are the prompt."""
-    ids, mask = _row(item["input_ids"]), _row(item.get("loss_mask"))
+    ids, mask = _row(item.get("input_ids")), _row(item.get("loss_mask"))
+    if ids is None:
+        raise ValueError("arun_episode returned a tensor dict whose `input_ids` is None")
     if mask is None:
         raise ValueError(
             "arun_episode returned `input_ids` without `loss_mask`: give loss_mask (1 on the "
@@ -219,6 +230,8 @@ class WorkflowExecutor:
         self._pending = 0
         self._lock = threading.Lock()
         self._loop = EventLoopThread("workflow-executor")
+        self._row_source: object = None  # the dataloader `_row_iter` reads (`_rows`)
+        self._row_iter: Iterator[Row] = iter(())
 
     # -- the engine's own API ----------------------------------------------------------------
     @property
@@ -333,7 +346,7 @@ class WorkflowExecutor:
         return accepted
 
     def _rows(self, dataloader: Iterable[Row] | Iterable[list[Row]]) -> Iterator[Row]:
-        if not hasattr(self, "_row_iter") or self._row_source is not dataloader:
+        if self._row_source is not dataloader:
             self._row_source = dataloader
             self._row_iter = self._flatten(dataloader)
         return self._row_iter

@@ -36,9 +36,10 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
+
     from nexrl.training.torch_engine import TorchTrainEngine
 
 logger = logging.getLogger(__name__)
@@ -84,13 +87,52 @@ def full_model_state(model: torch.nn.Module, copy: bool = True) -> dict[str, tor
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     # the distributed gather costs ~3 ms of Python per call on a plain module: the weight
     # export runs it every step, so a module with no sharded parameter reads its own
-    state = get_model_state_dict(model, options=_options()) if sharded else model.state_dict()
+    state = (
+        _only_tensors(get_model_state_dict(model, options=_options()))
+        if sharded
+        else model.state_dict()
+    )
     if not copy:
         return {k: v.detach() for k, v in state.items()}
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def write_hf(engine: TorchTrainEngine, path: str, state: dict[str, torch.Tensor]) -> None:
+def _only_tensors(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """A full model state dict as tensors (what `get_model_state_dict` gives for a model)."""
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"model state {name!r} is {type(value).__name__}, not a tensor")
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """An HF `PreTrainedModel` or a peft model (which writes its adapter)."""
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None: ...
+
+
+class HFExportTarget(Protocol):
+    """What `write_hf` reads: a `TorchTrainEngine`, or its peft model's base model."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def model_path(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class HFFolderSource:
+    """An `HFExportTarget` other than the engine: a peft model's base model."""
+
+    rank: int
+    model: torch.nn.Module
+    model_path: str
+
+
+def write_hf(engine: HFExportTarget, path: str, state: dict[str, torch.Tensor]) -> None:
     """Replace `path` with `state` as an HF model folder plus the tokenizer (rank 0 only).
 
     Atomic (staging folder, then rename) but not fsync'd: this is the weight-sync
@@ -103,8 +145,11 @@ def write_hf(engine: TorchTrainEngine, path: str, state: dict[str, torch.Tensor]
         _write_hf_files(engine, staging, state)
 
 
-def _write_hf_files(engine: TorchTrainEngine, out: Path, state: dict[str, torch.Tensor]) -> None:
-    engine.model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+def _write_hf_files(engine: HFExportTarget, out: Path, state: dict[str, torch.Tensor]) -> None:
+    model = engine.model
+    if not isinstance(model, SavesPretrained):
+        raise TypeError(f"{type(model).__name__} has no save_pretrained: no HF folder to write")
+    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     for name in TOKENIZER_FILES:
         src = Path(engine.model_path) / name
         if src.exists():
@@ -149,8 +194,9 @@ def load(engine: TorchTrainEngine, path: str) -> None:
     missing = sorted(expected - set(state) - tied)
     if missing:
         raise KeyError(f"checkpoint {path} lacks weights {missing[:5]} (of {len(missing)})")
+    loaded: dict[str, ValueType] = dict(state)  # the signature's value type is wider
     set_model_state_dict(
-        engine.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+        engine.model, loaded, options=StateDictOptions(full_state_dict=True, strict=False)
     )
     state_file = root / STATE_FILE
     if not state_file.exists():

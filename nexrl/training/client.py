@@ -92,7 +92,7 @@ class TrainServiceClient:
         """(B, T) logprobs under the current weights."""
         if self._engine is not None:
             return self._engine.compute_logprobs(batch)
-        return self._remote().tensors("/compute_logprobs", wire.pack_batch(batch))["logprobs"]
+        return self._remote().some_tensors("/compute_logprobs", wire.pack_batch(batch))["logprobs"]
 
     def compute_ref_logprobs(self, batch: Batch) -> torch.Tensor | None:
         """(B, T) logprobs under the reference model; None when none is configured."""
@@ -137,7 +137,7 @@ class TrainServiceClient:
                 "POST", "/export_weights", json={"path": path}, idempotent=True
             )
             return out["path"]
-        return self._remote().tensors("/export_weights", None, json={"path": None})
+        return self._remote().some_tensors("/export_weights", None, json={"path": None})
 
     def get_step(self) -> int:
         if self._engine is not None:
@@ -194,6 +194,13 @@ class _Http:
         if response.status_code == 204:
             return None
         return wire.unpack(response.content)[0]
+
+    def some_tensors(self, path: str, body: bytes | None, **kw: Any) -> dict[str, torch.Tensor]:
+        """`tensors` of an endpoint that always answers with tensors: 204 is an error."""
+        out = self.tensors(path, body, **kw)
+        if out is None:
+            raise RuntimeError(f"train server answered {path} with no tensors (204)")
+        return out
 
     def close(self) -> None:
         self.client.close()

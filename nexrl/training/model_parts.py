@@ -14,11 +14,14 @@ from transformers import PreTrainedModel
 from nexrl.training.config import EngineConfig
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+def unwrap(module: torch.nn.Module) -> PreTrainedModel:
     """The Hugging Face model inside a DDP / peft wrapper."""
     inner = getattr(module, "module", module)  # DDP
     get_base = getattr(inner, "get_base_model", None)  # peft
-    return get_base() if get_base is not None else inner
+    model = get_base() if get_base is not None else inner
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"the train engine needs an HF PreTrainedModel, got {type(model).__name__}")
+    return model
 
 
 def can_chunk(model: PreTrainedModel, config: EngineConfig) -> bool:

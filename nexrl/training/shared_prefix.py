@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from nexrl.training.masks import full_attention, model_attention_mask
 from nexrl.training.microbatch import project_rows
@@ -186,7 +187,7 @@ def shared_prefix_logprobs(
         input_ids=plan.prefix_ids,
         attention_mask=model_attention_mask(plan.prefix_mask, width, dense_masks),
         position_ids=positions,
-        **{_cache_kwarg(module): cache},
+        **_cache_arg(module, cache),
         use_cache=True,
     )
     lengths = plan.prefix_mask.sum(-1)
@@ -240,7 +241,7 @@ def _grouped_suffix_hidden(module, plan: PrefixPlan, cache, last) -> torch.Tenso
         input_ids=ids,
         attention_mask=grouped_suffix_mask(plan.prefix_mask, owner),
         position_ids=position_ids,
-        **{_cache_kwarg(module): cache},
+        **_cache_arg(module, cache),
         use_cache=True,
     ).logits  # (P, W, H)
     return torch.cat([hidden, out[groups, cols.clamp(max=shape[1] - 1)]], 1)
@@ -280,7 +281,7 @@ def _suffix_hidden(
         input_ids=plan.suffix_ids[rows, :width],
         attention_mask=model_attention_mask(keys, width, dense_masks),
         position_ids=plan.start[rows, None] + span,
-        **{_cache_kwarg(module): _select_rows(cache, prefix)},
+        **_cache_arg(module, _select_rows(cache, prefix)),
         use_cache=True,
     ).logits
     return torch.cat([hidden, suffix], 1)
@@ -291,8 +292,23 @@ def _select_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
     prefix cache stays as it is for the next group of rows)."""
     out = DynamicCache()
     for i, layer in enumerate(cache.layers):
+        # a linear-attention layer (transformers 5) is no key/value cache to slice;
+        # supports_prefix_cache keeps such models off this path
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise ValueError(f"prefix KV cache layer {i} holds no keys/values to share")
         out.update(layer.keys[index], layer.values[index], i)
     return out
+
+
+def _cache_arg(module: torch.nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """`cache` as the keyword argument `module.forward` takes it under."""
+    name = _cache_kwarg(module)
+    if name is None:
+        raise ValueError(
+            f"{type(module).__name__}.forward takes no KV cache: shared-prefix logprobs need "
+            "one (supports_prefix_cache)"
+        )
+    return {name: cache}
 
 
 def supports_prefix_cache(model: torch.nn.Module) -> bool:

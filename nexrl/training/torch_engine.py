@@ -19,11 +19,10 @@ import logging
 import time
 import warnings
 from collections import defaultdict
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nexrl.algorithms.objective import compute_loss
 from nexrl.host_memory import release_freed_memory, release_wanted
@@ -209,7 +208,7 @@ class TorchTrainEngine:
                 position_ids=inputs.position_ids,
                 use_cache=False,
             ).logits
-            if chunked:
+            if head is not None:  # chunked
                 return chunked_token_logprobs(
                     out, head, inputs, select, entropy, self.config.logprob_chunk_tokens
                 )
@@ -239,7 +238,7 @@ class TorchTrainEngine:
             return plan if saved > 0 else None
         return plan
 
-    def _shared_prefix_allowed(self, hf_model: torch.nn.Module) -> bool:
+    def _shared_prefix_allowed(self, hf_model: PreTrainedModel) -> bool:
         """Where the shared-prefix forward is exact and safe (`EngineConfig.shared_prefix`):
         one rank (a DDP / FSDP module must run once per backward), padded micro-batches,
         a detachable linear head, a model that takes a full-attention KV cache, and no
@@ -409,8 +408,8 @@ class TorchTrainEngine:
         """
         if is_peft(self.model):
             state = merged_state_dict(self.model)
-            target = SimpleNamespace(
-                rank=self.rank, model=self.model.get_base_model(), model_path=self.model_path
+            target: checkpoint.HFExportTarget = checkpoint.HFFolderSource(
+                rank=self.rank, model=unwrap(self.model), model_path=self.model_path
             )
         else:
             state, target = checkpoint.full_model_state(self.model, copy or path is not None), self
@@ -424,14 +423,16 @@ class TorchTrainEngine:
         if self.config.attn_implementation:
             kwargs["attn_implementation"] = self.config.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
-        return self._prepare(model.to(self.device), trainable)
+        # transformers 4 types `to` through a decorator that loses its signature
+        return self._prepare(model.to(self.device), trainable)  # type: ignore[arg-type, unused-ignore]
 
     def _prepare(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
         if trainable and self.config.gradient_checkpointing:
             # non-reentrant: gradients also reach adapters behind frozen embeddings (LoRA)
-            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
-            (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
-            model.config.use_cache = False
+            hf_model = unwrap(model)
+            enable = getattr(hf_model, "activation_checkpointing_enable", None)  # transformers 5
+            (enable or hf_model.gradient_checkpointing_enable)({"use_reentrant": False})
+            hf_model.config.use_cache = False
         if not trainable:
             model.eval().requires_grad_(False)
         return model

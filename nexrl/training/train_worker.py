@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nexrl.config.schema import AlgorithmConfig, TrainWorkerConfig
 from nexrl.execute import execute, is_remote
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from nexrl.distributed.dp_train import RayDataParallelTrainClient
+    from nexrl.monitoring.activity import ActivityTrackerProxy
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,16 @@ class LossSpec:
         )
 
 
+T = TypeVar("T")
+
+
+def _wired(ref: T | None, what: str) -> T:
+    """`ref`, set by the wiring (`set_module_references`, `set_activity_tracker`)."""
+    if ref is None:
+        raise RuntimeError(f"train worker: no {what}; the system wires it before the loop runs")
+    return ref
+
+
 class TrainWorker(LoopModule):
     def __init__(
         self,
@@ -187,7 +198,8 @@ class TrainWorker(LoopModule):
         self._step = step
 
     def _get_batch(self) -> Batch | None:
-        return execute(self._train_batch_pool.get_batch, self._model_tag, BLOCKING_GET_WAIT_S)
+        pool = _wired(self._train_batch_pool, "train batch pool")
+        return execute(pool.get_batch, self._model_tag, BLOCKING_GET_WAIT_S)
 
     def _loop_once(self) -> bool:
         if self._total_train_steps and self._step >= self._total_train_steps:
@@ -195,7 +207,7 @@ class TrainWorker(LoopModule):
         batch = self._get_batch()
         if batch is None:
             return False
-        with self._activity_tracker.track(self._module_name, "train step"):
+        with self._tracker().track(self._module_name, "train step"):
             self._step_batch(batch)
         return True
 
@@ -220,18 +232,20 @@ class TrainWorker(LoopModule):
         self._log_trained(step, batch)
         uids = batch.metadata.get("uids") or []
         # ledger: groups; counted before the step's checkpoint, which keeps the counts
-        self._activity_tracker.increment("tasks_trained", len(set(uids)))
+        tracker = self._tracker()
+        tracker.increment("tasks_trained", len(set(uids)))
         if self._save_freq and step % self._save_freq == 0 or step == self._total_train_steps:
             with timer.phase("save"):
                 self.save_checkpoint(step)
         with timer.phase("export"):
             weights = self._export_for_push()
-        serving = execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
+        wsc = _wired(self._weight_sync_controller, "weight-sync controller")
+        serving = execute(wsc.get_rollout_model_version, self._model_tag)
         metrics_timing = {**timer.metrics(), **self._last_push}
         self._log(batch, metrics, t0, serving, step, metrics_timing)
-        self._activity_tracker.set_training_step(step)
+        tracker.set_training_step(step)
         t_push = time.perf_counter()
-        notify = self._weight_sync_controller.train_worker_notify_weight_update
+        notify = wsc.train_worker_notify_weight_update
         extra = () if weights is None else (weights,)  # the tensors travel with the call
         execute(notify, self._module_name, self._model_tag, *extra)
         self._last_push = {"timing/push_s": time.perf_counter() - t_push}
@@ -290,9 +304,10 @@ class TrainWorker(LoopModule):
             "throughput/samples_per_s": len(batch) / elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
         }
-        self._activity_tracker.experiment_logger_post(backend="metrics", data=data, step=step)
+        tracker = self._tracker()
+        tracker.experiment_logger_post(backend="metrics", data=data, step=step)
         if rows := batch.metadata.get("samples"):
-            self._activity_tracker.experiment_logger_post(
+            tracker.experiment_logger_post(
                 backend="samples", rows=with_staleness(rows, step - 1), step=step
             )
 
@@ -330,7 +345,8 @@ class TrainWorker(LoopModule):
             return self._client.export_weights(self._sync_weight_path)
         if self._engine_elsewhere():
             state = self._client.export_weights(None)
-            execute(self._weight_sync_controller.publish_weights, state_to_arrays(state))
+            wsc = _wired(self._weight_sync_controller, "weight-sync controller")
+            execute(wsc.publish_weights, state_to_arrays(state))
         else:
             # the trainer's own tensors, no copy: every push in this process copies them
             # into the engine before `train_worker_notify_weight_update` returns, so before
@@ -381,6 +397,9 @@ class TrainWorker(LoopModule):
         if self._activity_tracker is None:
             return {}
         return {"ledger": checkpoint_ledger(execute(self._activity_tracker.get_counters))}
+
+    def _tracker(self) -> ActivityTrackerProxy:
+        return _wired(self._activity_tracker, "activity tracker")
 
     def _log_trained(self, step: int, batch: Batch) -> None:
         """`train_worker.log_trained_uids`: one line per step, flushed before the step's

@@ -67,6 +67,15 @@ def test_grpo_processor_puts_group_normalised_batch():
     assert out.metadata["rollout_metrics"]["reward/mean"] == 0.5
 
 
+def test_a_processor_not_wired_names_what_is_missing():
+    proc = GRPOProcessor(AlgorithmConfig(advantage_estimator="grpo"), CONTEXT)
+    trajs = [traj("a", [1], [2], [-1.0], r) for r in (1.0, 0.0)]
+    with pytest.raises(RuntimeError, match="algorithm processor: no train batch pool"):
+        proc._fit(Batch.from_trajectories(trajs, model_tag="default"), "train")
+    with pytest.raises(RuntimeError, match="algorithm processor: no trajectory pool"):
+        proc._get_batch(2)
+
+
 def run_processor(config, trajs, max_tokens=4):
     pool = TrainBatchPool()
     context = ProcessorContext(batch_size=0, max_tokens=max_tokens, pad_token_id=0)

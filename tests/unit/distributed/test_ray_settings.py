@@ -44,6 +44,11 @@ def test_defaults_and_overrides_merge_over_the_default_layout():
     )
 
 
+def test_a_ray_section_that_is_no_mapping_is_a_clear_error():
+    with pytest.raises(ValueError, match="ray must be a mapping of ray.\\* keys, got \\[1, 2\\]"):
+        RaySettings.from_config(cfg_with([1, 2]))
+
+
 def test_layouts_one_actor_by_default_then_two_and_three():
     default = RaySettings.from_config(cfg_with())
     assert set(default.colocation.values()) == {"main"} and default.module_actors() == 1

@@ -78,6 +78,21 @@ def test_a_slow_reward_does_not_hold_up_the_other_episodes(executor):
     assert t["reward"] == 0.5 and t["scores"] == {"judge": 0.5}
 
 
+def test_tool_workflow_rejects_an_unknown_on_rewrite_at_construction():
+    with pytest.raises(ValueError, match="on_rewrite must be 'error' or 'split', got 'merge'"):
+        ToolWorkflow(tools=[add], on_rewrite="merge")
+
+
+def test_an_engine_without_a_tokenizer_gets_a_clear_error():
+    from nexrl.agents.workflows import engine_tokenizer
+
+    class NoTokenizer:
+        pass
+
+    with pytest.raises(TypeError, match="NoTokenizer has no `tokenizer`"):
+        engine_tokenizer(NoTokenizer())
+
+
 def test_tool_workflow_rollout_is_token_exact(executor, tool_engine):
     workflow = ToolWorkflow(
         tools=[add], max_turns=2, max_tokens=16, temperature=0.0, reward_fn=reward_five
