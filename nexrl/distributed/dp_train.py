@@ -15,6 +15,7 @@ Enabled by `ray.train_ranks.bundles_per_node` (e.g. `[2]`); see docs/ray.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, overload
 
@@ -49,7 +50,8 @@ class RayDataParallelTrainClient:
         self.engine_config = dict(engine_config)
         self.model_path = str(model_path)
         self.model_tag = self.config.get("model_tag", "default")
-        self._layout = dict(
+        self._layout = functools.partial(
+            RayVirtualCluster,
             bundle_ct_per_node_list=list(bundles_per_node),
             use_gpus=num_gpus_per_bundle > 0,
             num_gpus_per_bundle=num_gpus_per_bundle or 1.0,
@@ -63,7 +65,7 @@ class RayDataParallelTrainClient:
 
     def initialize(self) -> None:
         """Place the ranks, join the process group, build one engine per rank."""
-        self.cluster = RayVirtualCluster(**self._layout)
+        self.cluster = self._layout()
         self.group = RayWorkerGroup(
             self.cluster,
             TrainServiceClient,
@@ -145,8 +147,11 @@ def build_ray_train_worker(cfg: DictConfig) -> TrainWorkerLike:
     ranks = dataclasses.asdict(settings.train_ranks)
     if not ranks["bundles_per_node"]:
         return build_train_worker(cfg)
+    section = OmegaConf.to_container(cfg.service.train_service, resolve=True)
+    if not isinstance(section, dict):
+        raise TypeError(f"service.train_service must be a mapping, got {section!r}")
     client = RayDataParallelTrainClient(
-        OmegaConf.to_container(cfg.service.train_service, resolve=True),
+        {str(key): value for key, value in section.items()},
         dataclasses.asdict(engine_config(cfg)),
         cfg.model_path,
         env_vars=actor_env(settings),

@@ -22,9 +22,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 from ray import ObjectRef
+from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nexrl.distributed.resource_manager import runtime_env_for
@@ -88,7 +90,9 @@ class RayWorkerGroup:
         gpus = (
             cluster.bundle.get("GPU", 0.0) if num_gpus_per_worker is None else num_gpus_per_worker
         )
-        self.workers = []
+        # Ray types a method of a handle as Any: `.call.remote` is not checked
+        self.workers: list[ActorHandle[RayWorker]] = []
+        worker_cls: Any = ray.remote(RayWorker)  # an actor class (Ray's stubs say function)
         groups = cluster.get_placement_groups()
         for rank, (pg, index) in enumerate(cluster.bundle_locations()):
             env = {
@@ -99,7 +103,7 @@ class RayWorkerGroup:
                 "NODE_RANK": str(groups.index(pg)),
             }
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-            actor = ray.remote(RayWorker).options(
+            actor = worker_cls.options(
                 num_cpus=cpus,
                 num_gpus=gpus,
                 scheduling_strategy=strategy,
