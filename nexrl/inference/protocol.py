@@ -104,6 +104,25 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # vLLM's name: EOS does not end a sample (benchmarks)
 
+    def to_kwargs(self) -> SamplingKwargs:
+        """The client's OpenAI-named options (unset ones left out)."""
+        out = SamplingKwargs(
+            max_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            n=self.n,
+        )
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.stop:
+            out["stop"] = self.stop
+        if self.stop_token_ids:
+            out["stop_token_ids"] = self.stop_token_ids
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
+
 
 @dataclass
 class GenerationRequest:

@@ -61,18 +61,7 @@ class _ChatParams(_OpenAIParams, total=False):
 def _sampling_kwargs(request: GenerationRequest) -> SamplingKwargs:
     """`request`'s sampling by OpenAI / vLLM names, leaving out what is unset."""
     sp = request.sampling
-    kwargs = SamplingKwargs(
-        max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, n=sp.n
-    )
-    kwargs["top_k"] = sp.top_k
-    if sp.seed is not None:
-        kwargs["seed"] = sp.seed
-    if sp.stop:
-        kwargs["stop"] = sp.stop
-    if sp.stop_token_ids:
-        kwargs["stop_token_ids"] = sp.stop_token_ids
-    if sp.ignore_eos:
-        kwargs["ignore_eos"] = True
+    kwargs = sp.to_kwargs()
     if request.rid is not None:
         kwargs["rid"] = request.rid
     return kwargs

@@ -45,7 +45,6 @@ from nexrl.inference.protocol import (
     GenerationRequest,
     GenerationResponse,
     SampleResult,
-    SamplingKwargs,
     SamplingParams,
     WeightUpdateMeta,
 )
@@ -103,7 +102,7 @@ class ClientEngine:
         sampling = request.sampling
         if self.temperature is not None:
             sampling = replace(sampling, temperature=self.temperature)
-        result = self.client.completion(prompt_ids=list(request.input_ids), **_kwargs(sampling))
+        result = self.client.completion(prompt_ids=list(request.input_ids), **sampling.to_kwargs())
         outputs = [_output(c) for c in result["choices"]]
         if self.continue_aborted:
             outputs = [self._finish(request.input_ids, o, sampling) for o in outputs]
@@ -119,7 +118,7 @@ class ClientEngine:
             rest = replace(
                 sampling, n=1, max_new_tokens=sampling.max_new_tokens - len(out.output_ids)
             )
-            more = self.client.completion(prompt_ids=[*prompt, *out.output_ids], **_kwargs(rest))
+            more = self.client.completion(prompt_ids=[*prompt, *out.output_ids], **rest.to_kwargs())
             nxt = _output(more)
             out = GenerationOutput(
                 out.output_ids + nxt.output_ids,
@@ -148,26 +147,6 @@ class ClientEngine:
 
     def shutdown(self) -> None:
         """The client's engine is shared by the run: it is not this adapter's to stop."""
-
-
-def _kwargs(sampling: SamplingParams) -> SamplingKwargs:
-    """The client's OpenAI-named options for `sampling` (unset ones left out)."""
-    out: SamplingKwargs = {
-        "max_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "n": sampling.n,
-    }
-    if sampling.seed is not None:
-        out["seed"] = sampling.seed
-    if sampling.stop:
-        out["stop"] = sampling.stop
-    if sampling.stop_token_ids:
-        out["stop_token_ids"] = sampling.stop_token_ids
-    if sampling.ignore_eos:
-        out["ignore_eos"] = True
-    return out
 
 
 def _output(choice: SampleResult) -> GenerationOutput:
