@@ -91,7 +91,7 @@ def test_episodes_that_answer_the_same_character_keep_their_own_samples(client):
     prompts, char = two_prompts_with_one_greedy_char(client)
     batch, seen = run_group(client, prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
     assert batch.values["response"] == [char] * 4
-    assert len({tuple(s[2]) for s in seen.values()}) == 2  # two contexts, two logprobs
+    assert len({tuple(s[0]) for s in seen.values()}) == 2  # two prompts, two prompt_ids
     assert_own_samples(batch, seen)
 
 

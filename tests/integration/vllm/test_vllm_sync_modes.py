@@ -70,12 +70,14 @@ def test_a_push_aborts_running_requests_and_they_continue_on_the_new_weights(tmp
     assert any(x["rollout/multi_version_frac"] > 0 for x in train_lines(controller.run_dir))
     continued = 0  # each worker client's samples: the aborted ones and their continuations
     for worker in controller.system.rollout_workers:
-        samples = worker._llm_client.recent_samples()
-        for cut in (s for s in samples if s["finish_reason"] == "abort"):
+        samples = worker._llm_client.recent_samples()  # in the order they came back
+        for i, cut in enumerate(samples):
+            if cut["finish_reason"] != "abort" or not cut["response_ids"]:
+                continue  # a cut with no tokens has the prompt as its prefix: not a marker
             prefix = cut["prompt_ids"] + cut["response_ids"]
-            after = [s for s in samples if s["prompt_ids"] == prefix]
+            after = [s for s in samples[i + 1 :] if s["prompt_ids"] == prefix]
             continued += len(after)
             # a continuation sent while the push is under way waits for the new weights but
             # is labelled with the version it was sent on (staleness over-, never under-stated)
-            assert all(s["model_version"] >= cut["model_version"] for s in after)
+            assert all(s["model_version"] >= cut["model_version"] for s in after), (cut, after)
     assert continued > 0
