@@ -13,7 +13,7 @@ the final validation's: the first one also pays the process's first forwards.
     python benchmarks/bench_validation.py             # the default task: 64 prompts, 16 workers
     python benchmarks/bench_validation.py --smollm2   # the SmolLM2 recipe: 40 questions, 8 workers
     python benchmarks/bench_validation.py --calculator  # the agent recipe: 32 questions, 2 workers
-    python benchmarks/bench_validation.py --smoke     # seconds: 8 prompts, 2 workers
+    python benchmarks/bench_validation.py --smoke   # seconds: 8 prompts (calculator: 4), 2 workers
 
 Writes validation.md into --out (default ./bench_results; not in --smoke). Last
 line: `validation_concurrency_speedup: X` (one task per worker over the default, final
@@ -47,6 +47,7 @@ SMOKE = [
 ]
 # the agent recipe's training step between its validations, made small (it is not timed)
 CALCULATOR = ["rollout_worker.group_size=2", "trajectory_pool.batch_size=2"]
+CALCULATOR_SMOKE = ["validate.data.max_items=4"]  # multi-turn SmolLM2 episodes: the slow part
 
 
 def validation_times(config_name: str, overrides: list[str]) -> list[float]:
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     config_name = "smollm2_arithmetic" if args.smollm2 else "rl_train"
     config_name = "smollm2_calculator" if args.calculator else config_name
     extra = (SMOKE if args.smoke else []) + (CALCULATOR if args.calculator else [])
+    extra += CALCULATOR_SMOKE if args.smoke and args.calculator else []
     extra += [f"model_path={args.model_path}"] if args.model_path else []
     cfg = load_config(extra, config_name=config_name)
     workers = cfg.rollout_worker.num_workers

@@ -15,12 +15,41 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 _USER_NEXRL_HOME = os.environ.get("NEXRL_HOME") or os.path.expanduser("~/.cache/nexrl")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the group into the node id
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`) the `ray` tests run on one worker, one
     after another: two local Ray clusters at once would share this machine's 2 CPUs."""
     for item in items:
         if item.get_closest_marker("ray") is not None:
             item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+_ray_left: set[str] = set()
+
+
+def pytest_collection_finish(session) -> None:
+    _ray_left.update(i.nodeid for i in session.items if i.get_closest_marker("ray"))
+    if not _ray_left:
+        _ray_tests_done()
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    """After the last `ray` test of this process: stop its Ray and signal the Ray tests'
+    end (`NEXRL_RAY_TESTS_DONE`, a file to create). CI starts the vLLM tests then, beside
+    the rest of the suite: a vLLM server beside Ray tests left too little memory."""
+    if nodeid in _ray_left:
+        _ray_left.discard(nodeid)
+        if not _ray_left:
+            _ray_tests_done()
+
+
+def _ray_tests_done() -> None:
+    import sys
+
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
+    if flag := os.environ.get("NEXRL_RAY_TESTS_DONE"):
+        open(flag, "a").close()
 
 
 @pytest.fixture(scope="session")

@@ -33,8 +33,8 @@ import nexrl
 pytestmark = pytest.mark.slow
 
 REPO = Path(nexrl.__file__).resolve().parents[1]
-ITEMS = 256  # 64 steps of 4 groups
-KILLS = 12
+ITEMS = 128  # 32 steps of 4 groups
+KILLS = 6
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 STEP_LINE = re.compile(r"^step (\d+)/", flags=re.M)
 KINDS = ("random", "save", "push")

@@ -30,6 +30,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 KINDS = ["registered", "fork_server", "one_shot"]
 USERS = ["root", "nobody"] if os.geteuid() == 0 else ["unprivileged"]
+# one xdist worker runs the whole module: each (kind, user) report is built once (its
+# module-scoped fixture takes up to a minute), not once per worker
+pytestmark = pytest.mark.xdist_group("sandbox_escapes")
 
 
 @pytest.fixture(scope="module")
