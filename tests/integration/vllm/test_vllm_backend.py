@@ -20,10 +20,10 @@ PROMPT = [1, 5, 9, 12, 7, 3]
 
 def forward_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     """The trainer's view: log_softmax of the logits at each response position."""
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([prompt + response], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu()
 
 
 def hf_model(path):

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from nexrl.inference.client import LLMServiceClient
-from tests.integration.vllm.test_vllm_backend import PROMPT, hf_model, perturbed_weights
+from tests.integration.vllm.test_vllm_backend import (
+    PROMPT,
+    forward_logprobs,
+    hf_model,
+    perturbed_weights,
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -59,16 +64,10 @@ def test_ipc_push_serves_the_trained_weights_and_its_version(tiny_model_path, tm
             push.close()
         config = {"backend": "vllm", "url": server.url, "model": server.model}
         out = LLMServiceClient(config).completion(prompt_ids=PROMPT, max_tokens=8, temperature=0)
-        ids = torch.tensor([PROMPT + out["response_ids"]], device="cuda")
-        with torch.no_grad():
-            logits = trained(ids).logits[0, len(PROMPT) - 1 : -1].float()
-        want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(PROMPT) :, None])[:, 0]
-        got = torch.tensor(out["response_logprobs"], device="cuda")
+        want = forward_logprobs(trained, PROMPT, out["response_ids"])
+        got = torch.tensor(out["response_logprobs"])
         assert (got - want).abs().max() < 1e-3  # the served weights are the trained ones
-        base_model = hf_model(tiny_model_path).cuda()
-        with torch.no_grad():
-            old = base_model(ids).logits[0, len(PROMPT) - 1 : -1].float()
-        old_lp = torch.log_softmax(old, -1).gather(-1, ids[0, len(PROMPT) :, None])[:, 0]
-        assert (got - old_lp).abs().max() > 1e-2  # and no longer the base ones
+        old = forward_logprobs(hf_model(tiny_model_path).cuda(), PROMPT, out["response_ids"])
+        assert (got - old).abs().max() > 1e-2  # and no longer the base ones
     finally:
         server.stop()
