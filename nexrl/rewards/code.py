@@ -93,6 +93,18 @@ def parse_tests(row: Mapping[str, object]) -> list[dict[str, str]]:
     return parsed
 
 
+# CPython 3.11 keeps the AST builder's recursion depth in one counter per interpreter, so
+# two threads parsing at once (a finalizer run by the GC mid-parse lets the other thread in)
+# can fail with "SystemError: AST constructor recursion depth mismatch" (CPython issue 106905).
+# Rewards are scored on many threads; parsing takes microseconds, so parses take turns.
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(src: str) -> ast.AST:
+    with _PARSE_LOCK:
+        return ast.parse(src)
+
+
 def program_names(tests: Sequence[str], setup: str, entry_point: str | None = None) -> list[str]:
     """Names the tests call that neither Python nor the tests nor the setup define: the
     program's functions, which the grader reaches through stubs (never its own builtins)."""
@@ -100,7 +112,7 @@ def program_names(tests: Sequence[str], setup: str, entry_point: str | None = No
     bound: set[str] = set()
     for i, src in enumerate([setup, *tests]):
         try:
-            tree = ast.parse(src)
+            tree = _parse(src)
         except SyntaxError as exc:
             where = "test_setup" if i == 0 else f"tests[{i - 1}]"
             raise ValueError(f"code reward: {where} is not valid Python: {exc}") from None

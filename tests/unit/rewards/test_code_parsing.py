@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from nexrl.rewards.code import extract_code, parse_tests
+from nexrl.rewards.code import extract_code, parse_tests, program_names
 
 
 def test_extract_code_prefers_the_last_python_block() -> None:
@@ -37,3 +41,34 @@ def test_parse_tests_shapes() -> None:
 def test_parse_tests_errors_name_the_problem(row, message) -> None:
     with pytest.raises(ValueError, match=message):
         parse_tests(row)
+
+
+class _Churn:
+    """A garbage cycle whose finalizer leaves another behind and yields the GIL: every
+    collection, including those inside a parse, hands the interpreter to another thread."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        if _Churn.active:
+            _Churn()
+        time.sleep(0)
+
+
+def test_program_names_is_safe_on_many_threads() -> None:
+    tests = [f"assert add([{i}, {i + 1}, (3, 4)], {{'a': [{i}]}}) == {i}" for i in range(50)]
+
+    def names(_: int) -> list[str]:
+        _Churn()
+        return [n for _ in range(40) for n in program_names(tests, "", "add")]
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(names, range(32)))
+    finally:
+        _Churn.active = False
+        gc.collect()
+    assert all(set(r) == {"add"} for r in results)
